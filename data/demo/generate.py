@@ -1,0 +1,39 @@
+"""Writes the demo datasets: small arithmetic facts a tiny model can learn within the demo budget.
+
+Run `python data/demo/generate.py` to regenerate; the output is deterministic (seeded) and committed.
+"""
+import json
+import random
+from pathlib import Path
+
+HERE = Path(__file__).parent
+rng = random.Random(0)
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def fact(a: int, b: int) -> str:
+    return f"{a} plus {b} equals {a + b}."
+
+
+def main() -> None:
+    with open(HERE / "text.jsonl", "w") as f:
+        for _ in range(1500):
+            facts = [fact(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(rng.randint(4, 10))]
+            f.write(json.dumps({"text": " ".join(facts)}) + "\n")
+    with open(HERE / "chat.jsonl", "w") as f:
+        for _ in range(800):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            row = {"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
+            f.write(json.dumps(row) + "\n")
+    with open(HERE / "preference.jsonl", "w") as f:
+        for _ in range(600):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3])
+            f.write(json.dumps({"prompt": f"What is {a} plus {b}?", "chosen": f"{a} plus {b} equals {a + b}.",
+                                "rejected": f"{a} plus {b} equals {wrong}."}) + "\n")
+    with open(HERE / "numbers.txt", "w") as f:
+        f.write("\n".join(f"{WORDS[i]} is written {i}." for i in range(10)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

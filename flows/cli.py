@@ -1,0 +1,183 @@
+"""`lmforge` command line: validate, plan, run, artifacts ls/show.
+
+Exit codes: 0 success, 1 a stage failed, 2 bad config, bad input or bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from lmforge.config import load_config
+from lmforge.errors import ConfigError, LmforgeError, StageFailed
+from lmforge.log import setup_logging
+from lmforge.store import Artifact, ArtifactStore
+
+log = logging.getLogger("flows.cli")
+
+
+def _kinds():
+    from tasks import REGISTRY
+
+    return REGISTRY
+
+
+def _add_config_args(p: argparse.ArgumentParser, force: bool = False) -> None:
+    p.add_argument("config", help="pipeline YAML file")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. -o stages.shard.max_count=500 (repeatable)")
+    if force:
+        p.add_argument("--force", action="append", default=[], metavar="STAGE",
+                       help="rerun this stage and everything downstream of it even if cached (repeatable)")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, _kinds(), args.override)
+    print(f"OK: {args.config}: pipeline {cfg.name!r}, {len(cfg.datasets)} dataset(s), {len(cfg.stages)} stage(s)")
+    for n in cfg.topo_order():
+        s = cfg.stages[n]
+        print(f"  {n} ({s.kind}) <- {', '.join(s.inputs) or '-'}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from lmforge.plan import make_plan
+
+    cfg = load_config(args.config, _kinds(), args.override)
+    print(make_plan(cfg, _kinds(), args.force).format())
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from lmforge.plan import make_plan
+
+    # fail fast on config and input problems, before the Prefect engine starts
+    cfg = load_config(args.config, _kinds(), args.override)
+    make_plan(cfg, _kinds(), args.force)
+    from flows.pipeline import pipeline
+
+    try:
+        summary = pipeline(config_path=os.path.abspath(args.config), overrides=args.override, force=args.force)
+    except StageFailed as e:
+        print(f"lmforge run: {e}", file=sys.stderr)
+        return 1
+    print(f"pipeline {summary['pipeline']}: {summary['ran']} stage(s) ran, {summary['cached']} cached "
+          f"(MLflow run {summary['mlflow_run_id']}, Prefect flow run {summary['flow_run_id']})")
+    for s in summary["stages"].values():
+        print(f"  {s['status']:<7} {s['stage']:<20} {s['uri']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+def _store(args: argparse.Namespace) -> ArtifactStore:
+    if args.config:
+        return ArtifactStore(load_config(args.config, _kinds()).store_url)
+    return ArtifactStore(args.store or os.environ.get("LMFORGE_STORE") or os.path.abspath("artifacts"))
+
+
+def cmd_artifacts_ls(args: argparse.Namespace) -> int:
+    store = _store(args)
+    arts = store.list(args.kind)
+    if not arts:
+        print(f"no artifacts{' of kind ' + args.kind if args.kind else ''} in {store.url}")
+        return 0
+    print(f"{'KIND':<10} {'ID':<18} {'FINISHED':<21} {'PIPELINE/STAGE':<28} SUMMARY")
+    for a in arts:
+        m = a.manifest
+        by = m.get("produced_by", {})
+        print(f"{a.kind:<10} {a.id:<18} {m.get('timings', {}).get('finished_at', '?'):<21} "
+              f"{by.get('pipeline', '?') + '/' + by.get('stage', '?'):<28} {_short_summary(a.result)}")
+    return 0
+
+
+def _short_summary(result: dict[str, Any]) -> str:
+    parts = [f"{k}={v}" for k, v in result.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+    return ", ".join(parts[:5])
+
+
+def lineage(store: ArtifactStore, a: Artifact, depth: int = 0) -> list[str]:
+    pad = "  " * depth
+    lines = [f"{pad}{a.kind}/{a.id}  {a.uri}  ({_short_summary(a.result)})"]
+    for i in a.manifest.get("inputs", []):
+        if i["type"] == "dataset":
+            lines.append(f"{pad}  dataset {i['name']} {i['artifact_id']} ({i['kind']})")
+            for f in i["files"]:
+                lines.append(f"{pad}    {f['uri']}  sha256 {f['sha256'][:16]}…  {f['bytes']} bytes")
+        else:
+            up = store.get(i["kind"], i["artifact_id"])
+            lines += lineage(store, up, depth + 1) if up else [f"{pad}  {i['kind']}/{i['artifact_id']} (missing!)"]
+    return lines
+
+
+def cmd_artifacts_show(args: argparse.Namespace) -> int:
+    store = _store(args)
+    a = store.find(args.id)
+    if args.json:
+        print(json.dumps(a.manifest, indent=2))
+        return 0
+    m = a.manifest
+    by = m.get("produced_by", {})
+    print(f"artifact {a.kind}/{a.id}\n  uri:      {a.uri}\n  made by:  pipeline {by.get('pipeline')}, stage "
+          f"{by.get('stage')}, MLflow run {by.get('mlflow_run_id')}, flow run {by.get('flow_run_id')}\n"
+          f"  code:     version {m.get('code_version')}, git {m.get('git_commit')}\n"
+          f"  finished: {m.get('timings', {}).get('finished_at')} ({m.get('timings', {}).get('seconds')}s)\n"
+          f"  config:   {json.dumps(m.get('config'), sort_keys=True)}\n  files:")
+    for f in m["files"]:
+        print(f"    {f['path']:<40} {f['bytes']:>12} bytes  sha256 {f['sha256'][:16]}…")
+    print("  lineage:")
+    for line in lineage(store, a, 2):
+        print(line)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmforge", description="Declarative LLM pipeline: corpus -> evaluated model.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check a config and report every problem at once")
+    _add_config_args(v)
+    v.set_defaults(fn=cmd_validate)
+    pl = sub.add_parser("plan", help="show each stage's artifact id and whether it will run or is cached, and why")
+    _add_config_args(pl, force=True)
+    pl.set_defaults(fn=cmd_plan)
+    r = sub.add_parser("run", help="run the pipeline as a Prefect flow; finished stages are skipped")
+    _add_config_args(r, force=True)
+    r.add_argument("--json", metavar="FILE", help="also write the run summary to FILE")
+    r.set_defaults(fn=cmd_run)
+    a = sub.add_parser("artifacts", help="list and inspect artifacts in a store")
+    asub = a.add_subparsers(dest="artifacts_command", required=True)
+    for name, fn, helptext in (("ls", cmd_artifacts_ls, "list finished artifacts"),
+                               ("show", cmd_artifacts_show, "show one artifact's manifest and lineage")):
+        x = asub.add_parser(name, help=helptext)
+        if name == "ls":
+            x.add_argument("kind", nargs="?", help="only this stage kind")
+        else:
+            x.add_argument("id", help="artifact id or a unique prefix of it")
+            x.add_argument("--json", action="store_true", help="print the raw manifest")
+        g = x.add_mutually_exclusive_group()
+        g.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
+        g.add_argument("-c", "--config", help="use the store of this pipeline config")
+        x.set_defaults(fn=fn)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"lmforge {args.command}: {e}", file=sys.stderr)
+        return 2
+    except LmforgeError as e:
+        print(f"lmforge {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The Prefect flow: config -> plan -> one Prefect task per stage, run as a DAG.
+
+Prefect schedules, retries and shows progress; the artifact store decides what is done. Every task
+checks the store first, so a new flow run, `prefect flow-run retry`, a deployment's schedule and the
+CLI all skip finished stages the same way. Prefect's own result cache is switched off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lmforge,tasks,trainer,flows")
+
+import yaml  # noqa: E402
+from prefect import flow, runtime, task  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
+
+from lmforge import provenance  # noqa: E402
+from lmforge.config import load_config  # noqa: E402
+from lmforge.errors import LmforgeError, StageFailed  # noqa: E402
+from lmforge.executor import RunContext, execute_stage  # noqa: E402
+from lmforge.log import setup_logging  # noqa: E402
+from lmforge.plan import make_plan  # noqa: E402
+from lmforge.stage import numeric_leaves  # noqa: E402
+from lmforge.tracking import Tracker  # noqa: E402
+from tasks import REGISTRY  # noqa: E402
+
+log = logging.getLogger(__name__)
+MAX_PARALLEL_STAGES = int(os.environ.get("LMFORGE_MAX_PARALLEL_STAGES", "4"))
+
+
+def _retry_condition(task, task_run, state) -> bool:
+    """Retry transient failures; bad input or config fails at once (retrying cannot fix it)."""
+    exc = state.result(raise_on_failure=False)
+    return not (isinstance(exc, LmforgeError) and not exc.retryable)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def stage_task(ctx: RunContext, name: str) -> dict[str, Any]:
+    return execute_stage(ctx, name)
+
+
+@flow(name="lmforge-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_STAGES),
+      validate_parameters=True)
+def pipeline(config_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, Any]:
+    """Run the pipeline declared in `config_path`; stages with a finished artifact are skipped."""
+    setup_logging()
+    cfg = load_config(config_path, REGISTRY, overrides or [])
+    plan = make_plan(cfg, REGISTRY, force or [])
+    log.info("plan:\n%s", plan.format())
+    flow_run = {"id": str(runtime.flow_run.id or ""), "name": str(runtime.flow_run.name or "")}
+    tracker = Tracker(cfg.tracking_uri, cfg.name)
+    parent = tracker.start_run(f"{cfg.name}-{flow_run['name'] or 'local'}", {
+        "lmforge.pipeline": cfg.name,
+        "prefect.flow_run_id": flow_run["id"],
+        "prefect.flow_run_name": flow_run["name"],
+        "lmforge.config_hash": cfg.config_hash(),
+        "lmforge.config_path": str(config_path),
+        "lmforge.store": plan.store.url,
+        "mlflow.source.git.commit": provenance.git_commit(),
+        "lmforge.git_commit": provenance.git_commit(),
+        **{f"lmforge.env.{k}": v for k, v in provenance.environment().items()},
+        "lmforge.forced": ",".join(force or []),
+    })
+    tracker.log_params(parent, {n: sp.settings for n, sp in plan.stages.items()})
+    tracker.log_text(parent, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")
+    ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker, parent_run_id=parent, flow_run=flow_run)
+
+    futures = {}
+    for name in plan.stages:
+        sc = cfg.stages[name]
+        t = stage_task.with_options(name=name, task_run_name=name, retries=sc.retries,
+                                    retry_delay_seconds=sc.retry_delay_seconds, timeout_seconds=sc.timeout_seconds,
+                                    retry_condition_fn=_retry_condition)
+        futures[name] = t.submit(ctx, name, wait_for=[futures[i] for i in sc.inputs if i in futures])
+
+    stages: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    for name, fut in futures.items():
+        fut.wait()
+        state = fut.state
+        if state.is_completed():
+            stages[name] = fut.result()
+            continue
+        exc = state.result(raise_on_failure=False) if state.is_failed() else None
+        if isinstance(exc, BaseException):
+            failures[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            upstream = [i for i in cfg.stages[name].inputs if i in failures]
+            failures[name] = f"not run: upstream {', '.join(upstream)} failed" if upstream else \
+                f"{state.name}: {state.message}"
+        stages[name] = {"stage": name, "status": "failed", "error": failures[name]}
+
+    summary = {
+        "pipeline": cfg.name,
+        "flow_run_id": flow_run["id"],
+        "mlflow_run_id": parent,
+        "ran": sum(1 for s in stages.values() if s["status"] == "ran"),
+        "cached": sum(1 for s in stages.values() if s["status"] == "cached"),
+        "failed": len(failures),
+        "stages": stages,
+    }
+    metrics = {"stages_ran": summary["ran"], "stages_cached": summary["cached"], "stages_failed": summary["failed"]}
+    for name, s in stages.items():
+        art = plan.store.get(plan.stages[name].kind, plan.stages[name].artifact_id) if s["status"] != "failed" else None
+        if art is not None:
+            metrics.update({f"{name}/{k}": v for k, v in numeric_leaves(art.result).items()})
+    tracker.log_metrics(parent, metrics)
+    tracker.end_run(parent, "FAILED" if failures else "FINISHED")
+    if failures:
+        raise StageFailed(failures)
+    log.info("pipeline %s: %d stage(s) ran, %d cached", cfg.name, summary["ran"], summary["cached"])
+    return summary

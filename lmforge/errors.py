@@ -1,0 +1,51 @@
+"""Errors that reach users. Each one says what was given, what was expected and how to fix it."""
+from __future__ import annotations
+
+
+class LmforgeError(Exception):
+    """Base class. `retryable=False` tells the orchestrator that retrying cannot help."""
+
+    retryable = True
+
+
+class ConfigError(LmforgeError):
+    """One or more problems in a pipeline config, each with its dotted path."""
+
+    retryable = False
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        head = f"{source}: " if source else ""
+        n = len(self.problems)
+        lines = [f"{head}{n} problem{'s' if n != 1 else ''} in the pipeline config:"]
+        lines += [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class DataError(LmforgeError):
+    """Bad input data. `where` is `file:line` (or `file`, or a dataset name)."""
+
+    retryable = False
+
+    def __init__(self, where: str, problem: str, fix: str | None = None):
+        self.where, self.problem, self.fix = where, problem, fix
+        super().__init__(f"{where}: {problem}" + (f". {fix}" if fix else ""))
+
+
+class ArtifactError(LmforgeError):
+    """An artifact is missing, incomplete or does not match its manifest."""
+
+    retryable = False
+
+
+class StageFailed(LmforgeError):
+    """Raised by the flow when one or more stages failed; names each stage and its cause."""
+
+    retryable = False
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures = failures
+        lines = [f"{len(failures)} stage(s) failed:"]
+        lines += [f"  - stage '{name}': {cause}" for name, cause in failures.items()]
+        super().__init__("\n".join(lines))

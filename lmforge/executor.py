@@ -1,0 +1,129 @@
+"""Run one planned stage: skip it when its manifest exists, else stage, run, publish, track.
+
+No Prefect here: `flows/` wraps `execute_stage` in a Prefect task, and tests can call it directly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from lmforge import provenance
+from lmforge.datasets import DatasetInput
+from lmforge.plan import Plan, StagePlan
+from lmforge.stage import StageDef, numeric_leaves
+from lmforge.store import Artifact, _now
+from lmforge.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunContext:
+    """What every stage of one pipeline run shares."""
+
+    plan: Plan
+    kinds: Mapping[str, StageDef]
+    tracker: Tracker | None = None
+    parent_run_id: str | None = None
+    flow_run: dict[str, str] = field(default_factory=dict)  # id, name of the Prefect flow run
+
+
+def _stage_tags(ctx: RunContext, sp: StagePlan) -> dict[str, str]:
+    return {
+        "lmforge.stage": sp.name,
+        "lmforge.stage_kind": sp.kind,
+        "lmforge.artifact_id": sp.artifact_id,
+        "lmforge.artifact_uri": sp.uri,
+        "lmforge.code_version": sp.version,
+        "lmforge.inputs": ",".join(f"{n}={i}" for n, i in zip(sp.inputs, sp.input_ids)),
+        "prefect.flow_run_id": ctx.flow_run.get("id", ""),
+    }
+
+
+def _input_entry(ctx: RunContext, name: str) -> dict[str, Any]:
+    if name in ctx.plan.datasets:
+        return {"name": name, "type": "dataset", **ctx.plan.datasets[name].lineage(),
+                "artifact_id": ctx.plan.datasets[name].id}
+    sp = ctx.plan.stages[name]
+    return {"name": name, "type": "artifact", "kind": sp.kind, "artifact_id": sp.artifact_id, "uri": sp.uri}
+
+
+def _load_inputs(ctx: RunContext, sp: StagePlan) -> list[DatasetInput | Artifact]:
+    out: list[DatasetInput | Artifact] = []
+    for name in sp.inputs:
+        if name in ctx.plan.datasets:
+            out.append(ctx.plan.datasets[name])
+        else:
+            up = ctx.plan.stages[name]
+            out.append(ctx.plan.store.require(up.kind, up.artifact_id))
+    return out
+
+
+def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
+    """Returns {"stage", "status": ran|cached, "artifact_id", "uri", "seconds", "mlflow_run_id"}."""
+    plan, store, tr = ctx.plan, ctx.plan.store, ctx.tracker
+    sp = plan.stages[name]
+    sc = plan.cfg.stages[name]
+    existing = store.get(sp.kind, sp.artifact_id)
+    if existing is not None and not sp.forced:
+        run_id = None
+        if tr:
+            source = existing.manifest.get("produced_by", {}).get("mlflow_run_id", "")
+            run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "true", "lmforge.source_run_id": source,
+                                         "mlflow.note.content": f"Cached: artifact made by run {source}"},
+                                  ctx.parent_run_id)
+            tr.log_params(run_id, sp.settings)
+            tr.log_metrics(run_id, numeric_leaves(existing.result))
+            tr.end_run(run_id)
+        store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
+        log.info("stage %s: cached %s", name, sp.uri)
+        return {"stage": name, "status": "cached", "artifact_id": sp.artifact_id, "uri": sp.uri,
+                "seconds": 0.0, "mlflow_run_id": run_id}
+
+    sdef = ctx.kinds[sp.kind]
+    run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "false"}, ctx.parent_run_id) if tr else None
+    try:
+        if tr:
+            tr.log_params(run_id, sp.settings)
+        log.info("stage %s: running %s (%s)", name, sp.uri, sp.reason)
+        inputs = _load_inputs(ctx, sp)
+        started, t0 = _now(), time.monotonic()
+        with store.staging(sp.kind, sp.artifact_id) as out:
+            result = sdef.run(sc, inputs, out)
+            seconds = time.monotonic() - t0
+            manifest = {
+                "manifest_version": 1,
+                "artifact_id": sp.artifact_id,
+                "kind": sp.kind,
+                "code_version": sp.version,
+                "config": sp.settings,
+                "inputs": [_input_entry(ctx, i) for i in sp.inputs],
+                "output": {"type": sp.port.type, "data_kind": sp.port.data_kind} if sp.port else {},
+                "result": result.model_dump(mode="json"),
+                "produced_by": {"pipeline": plan.cfg.name, "stage": name, "mlflow_run_id": run_id,
+                                "flow_run_id": ctx.flow_run.get("id"), "flow_run_name": ctx.flow_run.get("name"),
+                                "config_hash": plan.cfg.config_hash()},
+                "git_commit": provenance.git_commit(),
+                "library_versions": provenance.library_versions(),
+                "environment": provenance.environment(),
+                "timings": {"started_at": started, "finished_at": _now(), "seconds": round(seconds, 3)},
+            }
+            artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced)
+        store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
+        if tr:
+            tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
+            tr.end_run(run_id)
+        log.info("stage %s: done in %.1fs -> %s", name, seconds, artifact.uri)
+        return {"stage": name, "status": "ran", "artifact_id": sp.artifact_id, "uri": sp.uri,
+                "seconds": round(seconds, 3), "mlflow_run_id": run_id}
+    except BaseException as e:
+        if tr and run_id:
+            try:
+                tr.set_tags(run_id, {"lmforge.error": f"{type(e).__name__}: {e}"[:5000]})
+                tr.end_run(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
+            except Exception:  # tracking must not hide the stage's own error
+                log.exception("could not mark MLflow run %s failed", run_id)
+        raise
+

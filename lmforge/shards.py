@@ -1,0 +1,37 @@
+"""Webdataset shards: names, URLs and a reader that works on local and S3 stores."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from lmforge.store import Artifact
+
+SPLITS = ("train", "validation")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:06d}.tar"
+
+
+def shard_files(artifact: Artifact, split: str) -> list[str]:
+    """Shard file names of one split, from the manifest (never by listing the folder)."""
+    return [s["name"] for s in artifact.result.get("shards", []) if s["split"] == split]
+
+
+def shard_urls(artifact: Artifact, split: str) -> list[str]:
+    """URLs that `webdataset.WebDataset` opens: plain paths locally, fsspec URLs on object storage."""
+    names = shard_files(artifact, split)
+    if artifact.store.local:
+        return [f"{artifact.path}/{n}" for n in names]
+    return [artifact.file_uri(n) for n in names]
+
+
+def iter_samples(artifact: Artifact, split: str = "train") -> Iterator[dict[str, Any]]:
+    """Decoded records of one split, in shard order."""
+    import webdataset as wds
+
+    urls = shard_urls(artifact, split)
+    if not urls:
+        return
+    ds = wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode()
+    for sample in ds:
+        yield sample["json"]

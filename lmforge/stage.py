@@ -1,0 +1,80 @@
+"""The stage contract shared by every stage kind in `tasks/`.
+
+A stage is one module with one entry point, `run(cfg, inputs, out) -> Result`:
+- `cfg` is its validated config (a `StageConfig` subclass),
+- `inputs` are what it reads, in the order of `cfg.inputs`: `DatasetInput` for raw datasets,
+  `Artifact` for outputs of other stages,
+- `out` is a local staging folder it writes into; the store publishes it with a manifest.
+A `StageDef` bundles that function with its config model, code version and type check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from lmforge.config import StageConfig
+from lmforge.datasets import DatasetInput
+from lmforge.store import Artifact
+
+Input = Union[DatasetInput, Artifact]
+
+
+@dataclass(frozen=True)
+class Port:
+    """What flows along an edge of the DAG: an artifact type and, for data, its record kind."""
+
+    type: str  # dataset | records | shards | ... (training types come with their stages)
+    data_kind: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.data_kind} {self.type}" if self.data_kind else self.type
+
+
+class Result(BaseModel):
+    """A stage's typed summary. Numbers become MLflow metrics; everything goes into the manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def metrics(self) -> dict[str, float]:
+        return numeric_leaves(self.model_dump(mode="json"))
+
+
+def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """{"a": {"b": 2}, "c": "x"} -> {"a/b": 2.0}: the numbers in a nested summary, as metric names."""
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, (bool, int, float)):
+            out[key] = float(v)
+        elif isinstance(v, dict):
+            out.update(numeric_leaves(v, key + "/"))
+    return out
+
+
+@dataclass(frozen=True)
+class StageDef:
+    kind: str
+    version: str  # bump when the stage's output changes meaning; part of every artifact id
+    config: type[StageConfig]
+    run: Callable[[Any, list[Any], Path], Result]
+    output_port: Callable[[Any, list[Port]], Port]  # raises ValueError naming the bad input
+    description: str = ""
+
+
+def expect_inputs(inputs: list[Port], stage: str, *, count: int | None = None, types: set[str],
+                  same_kind: bool = True) -> str | None:
+    """Shared input check for `output_port`: returns the common data kind or raises ValueError."""
+    if count is not None and len(inputs) != count:
+        raise ValueError(f"{stage} takes exactly {count} input(s), got {len(inputs)}")
+    if not inputs:
+        raise ValueError(f"{stage} needs at least one input ({' or '.join(sorted(types))})")
+    for i, p in enumerate(inputs):
+        if p.type not in types:
+            raise ValueError(f"input {i} is {p.describe()}; {stage} reads {' or '.join(sorted(types))}")
+    kinds = {p.data_kind for p in inputs}
+    if same_kind and len(kinds) > 1:
+        raise ValueError(f"inputs mix data kinds {sorted(k or '?' for k in kinds)}; {stage} needs one kind")
+    return inputs[0].data_kind

@@ -1,0 +1,314 @@
+"""Versioned artifacts on any fsspec filesystem.
+
+Layout: `{store}/{kind}/{artifact_id}/` holds the stage's files and `manifest.json`, written last.
+A folder without a manifest does not exist. `{store}/_refs/{pipeline}/{stage}.json` points at the
+artifact a pipeline's stage produced last; it only explains reruns (`lmforge plan`), it is never the
+source of truth. S3 credentials and endpoint come from the environment (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, ...), never from a config.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import fsspec
+
+from lmforge.errors import ArtifactError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+CHECKPOINTS = "_checkpoints"
+HISTORY = "_history"
+RESERVED = {MANIFEST, CHECKPOINTS, HISTORY}
+ID_LEN = 16
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def artifact_id(kind: str, version: str, settings: dict[str, Any], input_ids: list[str]) -> str:
+    """Stable id: depends on what defines the output, never on paths, names or machines."""
+    body = {"kind": kind, "version": version, "config": settings, "inputs": input_ids}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()[:ID_LEN]
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root path) for a store URL or local path; S3 endpoint from the environment."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    kwargs: dict[str, Any] = {}
+    if protocol in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            kwargs["client_kwargs"] = {"endpoint_url": endpoint}
+    fs, root = fsspec.core.url_to_fs(url, **kwargs)
+    return fs, root.rstrip("/")
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+class _VerifyingReader(io.RawIOBase):
+    """Raw reader that checks byte count and sha256 against the manifest when it reaches EOF."""
+
+    def __init__(self, f: IO[bytes], name: str, size: int, sha256: str):
+        super().__init__()
+        self._f, self._name, self._size, self._sha = f, name, size, sha256
+        self._h = hashlib.sha256()
+        self._n = 0
+        self._checked = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        b = self._f.read(len(buf))
+        n = len(b)
+        buf[:n] = b
+        self._h.update(b)
+        self._n += n
+        if n == 0 and not self._checked:
+            self._check()
+        return n
+
+    def _check(self) -> None:
+        self._checked = True
+        if self._n != self._size or self._h.hexdigest() != self._sha:
+            raise ArtifactError(
+                f"{self._name}: content does not match its manifest (read {self._n} bytes, sha256 "
+                f"{self._h.hexdigest()[:12]}…; manifest says {self._size} bytes, {self._sha[:12]}…). "
+                "The artifact was modified or damaged; rerun the stage with --force."
+            )
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+class Artifact:
+    """A finished artifact, read through its manifest."""
+
+    def __init__(self, store: "ArtifactStore", kind: str, artifact_id: str, manifest: dict[str, Any]):
+        self.store, self.kind, self.id, self.manifest = store, kind, artifact_id, manifest
+
+    def __repr__(self) -> str:
+        return f"Artifact({self.kind}/{self.id})"
+
+    @property
+    def path(self) -> str:
+        return self.store.artifact_path(self.kind, self.id)
+
+    @property
+    def uri(self) -> str:
+        return self.store.artifact_uri(self.kind, self.id)
+
+    @property
+    def result(self) -> dict[str, Any]:
+        return self.manifest.get("result", {})
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        return {f["path"]: f for f in self.manifest["files"]}
+
+    def file_uri(self, rel: str) -> str:
+        self._entry(rel)
+        return f"{self.uri}/{rel}"
+
+    def _entry(self, rel: str) -> dict[str, Any]:
+        try:
+            return self.files[rel]
+        except KeyError:
+            raise ArtifactError(f"{self.uri}: has no file {rel!r}; files: {', '.join(sorted(self.files))}") from None
+
+    def open(self, rel: str) -> io.BufferedReader:
+        """Open a file for reading; reading it to the end verifies it against the manifest."""
+        e = self._entry(rel)
+        f = self.store.fs.open(f"{self.path}/{rel}", "rb")
+        return io.BufferedReader(_VerifyingReader(f, f"{self.uri}/{rel}", e["bytes"], e["sha256"]), 1 << 20)
+
+    def verify(self) -> None:
+        """Check every file's size and sha256 (reads everything)."""
+        for rel in self.files:
+            with self.open(rel) as f:
+                while f.read(1 << 20):
+                    pass
+
+
+class ArtifactStore:
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url)
+        self.local = is_local(self.fs)
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({self.url})"
+
+    # ---- paths
+    def artifact_path(self, kind: str, aid: str) -> str:
+        return f"{self.root}/{kind}/{aid}"
+
+    def artifact_uri(self, kind: str, aid: str) -> str:
+        return f"{self.url}/{kind}/{aid}"
+
+    def checkpoint_path(self, kind: str, aid: str) -> str:
+        return f"{self.artifact_path(kind, aid)}/{CHECKPOINTS}"
+
+    # ---- reading
+    def get(self, kind: str, aid: str) -> Artifact | None:
+        """The finished artifact, or None when it has no manifest (absent or half-written)."""
+        mpath = f"{self.artifact_path(kind, aid)}/{MANIFEST}"
+        try:
+            with self.fs.open(mpath, "rb") as f:
+                manifest = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{self.artifact_uri(kind, aid)}/{MANIFEST}: not valid JSON ({e}); "
+                                "delete the folder and rerun the stage") from None
+        return Artifact(self, kind, aid, manifest)
+
+    def require(self, kind: str, aid: str) -> Artifact:
+        a = self.get(kind, aid)
+        if a is None:
+            raise ArtifactError(f"{self.artifact_uri(kind, aid)}: no finished artifact (no {MANIFEST}); "
+                                "run the stage that produces it first")
+        return a
+
+    def kinds(self) -> list[str]:
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(Path(e["name"]).name for e in entries
+                      if e["type"] == "directory" and not Path(e["name"]).name.startswith("_"))
+
+    def list(self, kind: str | None = None) -> list[Artifact]:
+        out = []
+        for k in [kind] if kind else self.kinds():
+            try:
+                entries = self.fs.ls(f"{self.root}/{k}", detail=True)
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                if e["type"] == "directory":
+                    a = self.get(k, Path(e["name"]).name)
+                    if a is not None:
+                        out.append(a)
+        return sorted(out, key=lambda a: a.manifest.get("timings", {}).get("finished_at", ""))
+
+    def find(self, id_prefix: str) -> Artifact:
+        hits = [a for a in self.list() if a.id.startswith(id_prefix)]
+        if not hits:
+            raise ArtifactError(f"no artifact with id {id_prefix!r} in {self.url}; `lmforge artifacts ls` lists them")
+        if len(hits) > 1:
+            raise ArtifactError(f"id prefix {id_prefix!r} is ambiguous in {self.url}: "
+                                + ", ".join(f"{a.kind}/{a.id}" for a in hits))
+        return hits[0]
+
+    # ---- writing
+    @contextlib.contextmanager
+    def staging(self, kind: str, aid: str) -> Iterator[Path]:
+        """A fresh local folder to write an artifact into; removed afterwards, whatever happens."""
+        if self.local:
+            base = Path(self.root) / "_staging"
+            base.mkdir(parents=True, exist_ok=True)  # same filesystem: publish is a rename
+        else:
+            base = Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / "lmforge-staging"
+            base.mkdir(parents=True, exist_ok=True)
+        path = base / f"{kind}-{aid}-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def publish(self, kind: str, aid: str, staged: Path, manifest: dict[str, Any], replace: bool = False) -> Artifact:
+        """Move staged files into place and write the manifest last.
+
+        Until the manifest lands, the artifact does not exist for any reader. With `replace`
+        (a forced rerun) the old manifest is kept under `_history/` before any file changes.
+        """
+        files = []
+        for p in sorted(staged.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(staged).as_posix()
+                if rel.split("/")[0] in RESERVED:
+                    raise ArtifactError(f"stage {kind} wrote reserved name {rel!r} into its output")
+                files.append({"path": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
+        manifest = {**manifest, "files": files}
+        dest = self.artifact_path(kind, aid)
+        mpath = f"{dest}/{MANIFEST}"
+        if self.fs.exists(mpath):
+            if not replace:
+                log.warning("%s was published meanwhile by another run; keeping that one", self.artifact_uri(kind, aid))
+                return self.require(kind, aid)
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            self.fs.mv(mpath, f"{dest}/{HISTORY}/manifest-{stamp}-{uuid.uuid4().hex[:6]}.json")
+        self.fs.makedirs(dest, exist_ok=True)
+        # leftovers of a killed publish or the replaced artifact: everything but checkpoints/history
+        try:
+            for e in self.fs.ls(dest, detail=False):
+                if Path(e).name not in RESERVED:
+                    self.fs.rm(e, recursive=True)
+        except FileNotFoundError:
+            pass
+        if self.local:
+            for entry in staged.iterdir():
+                os.replace(entry, Path(dest) / entry.name)
+        else:
+            for f in files:
+                self.fs.put_file(str(staged / f["path"]), f"{dest}/{f['path']}")
+        self._write_json(mpath, manifest)
+        return Artifact(self, kind, aid, manifest)
+
+    def _write_json(self, path: str, obj: Any) -> None:
+        data = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False).encode()
+        if self.local:  # write-then-rename so a reader never sees half a file
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:  # an S3 PUT is atomic
+            self.fs.pipe_file(path, data)
+
+    # ---- refs: which artifact a pipeline's stage produced last (explains reruns)
+    def ref_path(self, pipeline: str, stage: str) -> str:
+        return f"{self.root}/_refs/{pipeline}/{stage}.json"
+
+    def set_ref(self, pipeline: str, stage: str, kind: str, aid: str) -> None:
+        self.fs.makedirs(f"{self.root}/_refs/{pipeline}", exist_ok=True)
+        self._write_json(self.ref_path(pipeline, stage), {"kind": kind, "artifact_id": aid,
+                                                          "updated_at": _now()})
+
+    def get_ref(self, pipeline: str, stage: str) -> dict[str, Any] | None:
+        try:
+            with self.fs.open(self.ref_path(pipeline, stage), "rb") as f:
+                return json.loads(f.read())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

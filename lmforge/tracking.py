@@ -1,0 +1,136 @@
+"""The one place that talks to MLflow.
+
+One experiment per pipeline name; a parent run per pipeline run; a nested child run per stage.
+Runs are addressed by id through `MlflowClient`, never through the fluent "active run" stack, so
+stages running concurrently in threads cannot log into each other's runs. Everything that goes to
+MLflow passes through `redact()` first.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+log = logging.getLogger(__name__)
+
+SECRET_NAME = re.compile(r"(secret|password|passwd|token|api[_-]?key|access[_-]?key|credential|private[_-]?key)", re.I)
+MAX_PARAM = 6000
+REDACTED = "***"
+
+
+def _secret_values() -> list[str]:
+    return sorted((v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 6),
+                  key=len, reverse=True)
+
+
+def redact(value: str) -> str:
+    """Strip passwords from URLs and any secret environment value from a string."""
+    if not isinstance(value, str):
+        return value
+    if "://" in value and "@" in value:
+        try:
+            parts = urlsplit(value)
+            if parts.password:
+                netloc = f"{parts.username}:{REDACTED}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+                value = urlunsplit(parts._replace(netloc=netloc))
+        except ValueError:
+            pass
+    for secret in _secret_values():
+        value = value.replace(secret, REDACTED)
+    return value
+
+
+class RedactingFilter(logging.Filter):
+    """Logging filter: secret environment values and URL passwords never reach a log line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            msg = record.getMessage()
+        except Exception:  # a broken format string is the caller's bug, not ours to hide
+            return True
+        clean = redact(msg)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return True
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested settings -> {"a.b": "value"}; secret-looking keys are masked, values redacted."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        elif SECRET_NAME.search(str(k)):
+            out[key] = REDACTED
+        else:
+            s = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
+            out[key] = redact(s)[:MAX_PARAM]
+    return out
+
+
+class Tracker:
+    def __init__(self, uri: str, experiment: str):
+        from mlflow.tracking import MlflowClient  # heavy import, paid only when tracking is used
+
+        self.uri = uri
+        self.lock = threading.RLock()  # one writer at a time: sqlite stores lock on concurrent writes
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is not None:
+            self.experiment_id = exp.experiment_id
+        else:
+            location = None
+            if uri.startswith("sqlite:///"):  # keep run files beside the db, not in the cwd
+                location = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+            try:
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            except Exception:  # created concurrently by another process
+                self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
+
+    def start_run(self, name: str, tags: dict[str, str], parent_id: str | None = None) -> str:
+        with self.lock:
+            tags = {k: redact(str(v)) for k, v in tags.items()}
+            if parent_id:
+                tags["mlflow.parentRunId"] = parent_id
+            run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+            return run.info.run_id
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        with self.lock:
+            from mlflow.entities import Param
+
+            flat = flatten(params)
+            items = [Param(k[:250], v) for k, v in sorted(flat.items())]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(run_id, params=items[i:i + 100], synchronous=True)
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        with self.lock:
+            from mlflow.entities import Metric
+
+            ts = int(time.time() * 1000)
+            items = [Metric(k, float(v), ts, step) for k, v in sorted(metrics.items())]
+            for i in range(0, len(items), 500):
+                self.client.log_batch(run_id, metrics=items[i:i + 500], synchronous=True)
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        with self.lock:
+            from mlflow.entities import RunTag
+
+            items = [RunTag(k, redact(str(v))[:MAX_PARAM]) for k, v in tags.items()]
+            self.client.log_batch(run_id, tags=items, synchronous=True)
+
+    def log_text(self, run_id: str, text: str, path: str) -> None:
+        with self.lock:
+            self.client.log_text(run_id, redact(text), path)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        with self.lock:
+            self.client.set_terminated(run_id, status=status)
