@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from lmforge.errors import DataError
 from lmforge.store import Artifact
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -139,3 +140,27 @@ def iter_records(artifact: Artifact) -> Iterator[dict[str, Any]]:
     """Every record of a records artifact, in order, verified against the manifest."""
     for part in part_names(artifact):
         yield from iter_part(artifact, part)
+
+
+def require_records(artifact: Artifact) -> int:
+    """The record count of a records artifact; a clear error naming what emptied it when it is 0.
+
+    Stages that drop records report `dropped: {reason: count}` in their result; this walks the
+    lineage upstream and names every such count, so an all-dropped corpus explains itself.
+    """
+    n = int(artifact.result.get("records", 0))
+    if n > 0:
+        return n
+    reasons: list[str] = []
+    node: Artifact | None = artifact
+    while node is not None:
+        dropped = {k: v for k, v in (node.result.get("dropped") or {}).items() if v}
+        if dropped:
+            by = node.manifest.get("produced_by", {}).get("stage", node.kind)
+            reasons.append(f"{by} ({node.kind}/{node.id}) dropped " + ", ".join(f"{k}: {v}" for k, v in
+                                                                                  sorted(dropped.items(), key=lambda x: -x[1])))
+        ups = [i for i in node.manifest.get("inputs", []) if i.get("type") == "artifact"]
+        node = node.store.get(ups[0]["kind"], ups[0]["artifact_id"]) if ups else None
+    why = "; ".join(reasons) if reasons else "its input held no records"
+    raise DataError(f"{artifact.kind} artifact {artifact.id}", f"has no records: {why}",
+                    "loosen the thresholds or switch off the rules that dropped everything, then rerun")

@@ -16,9 +16,8 @@ import numpy as np
 from pydantic import Field
 
 from lmforge.config import StageConfig
-from lmforge.errors import DataError
 from lmforge.log import Progress
-from lmforge.records import iter_records
+from lmforge.records import iter_records, require_records
 from lmforge.shards import SPLITS, shard_name
 from lmforge.stage import Port, Result, StageDef, expect_inputs
 from lmforge.store import Artifact, sha256_file
@@ -51,10 +50,7 @@ def run(cfg: ShardConfig, inputs: list[Artifact], out: Path) -> ShardResult:
     import webdataset as wds
 
     src = inputs[0]
-    n = src.result.get("records", 0)
-    if n == 0:
-        raise DataError(f"{src.kind} artifact {src.id}", f"has no records ({src.result.get('dropped') or 'nothing kept'})",
-                        "check the upstream stage's counts in its manifest or MLflow run")
+    n = require_records(src)
     keys = np.fromiter((_split_key(cfg.seed, r["id"]) for r in iter_records(src)), dtype=np.uint64, count=n)
     k = round(n * cfg.validation_fraction)
     if cfg.validation_fraction > 0 and n >= 2:
