@@ -262,8 +262,9 @@ def _check_graph(datasets, raw_stages, stages, kinds) -> list[str]:
     for name in set(datasets) & set(raw_stages):
         problems.append(f"stages.{name}: name also used by datasets.{name}; give them different names")
     known = set(datasets) | set(raw_stages)
-    for name, cfg in stages.items():
-        for i, ref in enumerate(cfg.inputs):
+    for name, body in raw_stages.items():  # also stages whose own settings failed to parse
+        refs = body.get("inputs") if isinstance(body, dict) else None
+        for i, ref in enumerate(refs if isinstance(refs, list) else []):
             if ref == name:
                 problems.append(f"stages.{name}.inputs[{i}]: a stage cannot read its own output")
             elif ref not in known:
@@ -302,8 +303,12 @@ def _check_graph(datasets, raw_stages, stages, kinds) -> list[str]:
             if all(ref in ports for ref in stages[n].inputs):
                 pending.remove(n)
                 progressed = True
+                in_ports = [ports[r] for r in stages[n].inputs]
+                if any(p.type == "invalid" for p in in_ports):  # reported upstream already
+                    ports[n] = Port("invalid")
+                    continue
                 try:
-                    ports[n] = kinds[stages[n].kind].output_port(stages[n], [ports[r] for r in stages[n].inputs])
+                    ports[n] = kinds[stages[n].kind].output_port(stages[n], in_ports)
                 except ValueError as e:
                     problems.append(f"stages.{n}.inputs: {e}")
                     ports[n] = Port("invalid")
@@ -331,7 +336,9 @@ def _format_errors(e: ValidationError, prefix: str, model: type[BaseModel]) -> l
         t, given = err["type"], err.get("input")
         ctx = err.get("ctx") or {}
         if t in _OPS:
-            msg = f"must be {_OPS[t]} {ctx[_OP_KEY[t]]}, got {given!r}"
+            bound = ctx[_OP_KEY[t]]
+            bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+            msg = f"must be {_OPS[t]} {bound}, got {given!r}"
         elif t == "extra_forbidden":
             fields = model.model_fields if len(loc) == 1 else {}
             known = [f for f in fields if f not in ("root", "source")]

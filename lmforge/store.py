@@ -263,6 +263,7 @@ class ArtifactStore:
                 log.warning("%s was published meanwhile by another run; keeping that one", self.artifact_uri(kind, aid))
                 return self.require(kind, aid)
             stamp = time.strftime("%Y%m%dT%H%M%S")
+            self.fs.makedirs(f"{dest}/{HISTORY}", exist_ok=True)
             self.fs.mv(mpath, f"{dest}/{HISTORY}/manifest-{stamp}-{uuid.uuid4().hex[:6]}.json")
         self.fs.makedirs(dest, exist_ok=True)
         # leftovers of a killed publish or the replaced artifact: everything but checkpoints/history

@@ -82,7 +82,7 @@ def _rows(src: SourceFile, txt_unit: str) -> Iterator[tuple[int, Any]]:
                     yield n, {"text": text.rstrip("\r\n")}
                     continue
                 try:
-                    yield n, json.loads(text)
+                    yield n, json.loads(text.rstrip("\r\n"))
                 except json.JSONDecodeError as e:
                     yield n, BadRow("invalid_json", f"{src.uri}:{n}", f"invalid JSON: {e.msg} at column {e.colno}")
         except (OSError, EOFError) as e:  # truncated or corrupt gzip

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 class ShardConfig(StageConfig):
     kind: Literal["shard"] = Field(description="Writes records into webdataset tar shards.")
     max_count: int = Field(10_000, gt=0, description="Most samples per shard (webdataset maxcount).")
-    max_bytes: int = Field(256 * 2**20, gt=0, description="Most bytes per shard (webdataset maxsize).")
+    max_bytes: int = Field(256 * 2**20, gt=0, description="A shard closes once its sample payload reaches this many bytes "
+                           "(webdataset maxsize); tar headers add about 1 KiB per sample on top.")
     validation_fraction: float = Field(0.05, ge=0, lt=1, description="Share of records held out for validation.")
     seed: int = Field(0, description="Seed of the train/validation split.")
 

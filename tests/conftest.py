@@ -1,0 +1,77 @@
+"""Shared test setup: offline hub settings, a throw-away Prefect home, helpers to write configs.
+
+Environment is set at import time, before any test imports Prefect, so the ephemeral Prefect API
+and its database live in a temp folder and nothing reaches a model or dataset hub.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+_TMP = Path(tempfile.mkdtemp(prefix="lmforge-tests-"))
+os.environ.update({
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HOME": str(_TMP / "hf"),
+    "PREFECT_HOME": str(_TMP / "prefect"),
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "LMFORGE_WORK_DIR": str(_TMP / "work"),
+})
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def write_config(dir: Path, cfg: dict[str, Any], name: str = "pipeline.yaml") -> Path:
+    path = dir / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def text_rows(n: int, prefix: str = "doc") -> list[dict[str, str]]:
+    return [{"text": f"{prefix} number {i}: the quick brown fox jumps over the lazy dog {i * 7919 % 1000}."}
+            for i in range(n)]
+
+
+def basic_config(tmp: Path, n: int = 50, store: str | None = None, **shard: Any) -> dict[str, Any]:
+    """A two-branch pipeline: text and preference data, each ingested then sharded."""
+    write_jsonl(tmp / "data" / "text.jsonl", text_rows(n))
+    write_jsonl(tmp / "data" / "pairs.jsonl",
+                [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(20)])
+    return {
+        "name": "t",
+        "store": store or str(tmp / "artifacts"),
+        "tracking": f"sqlite:///{tmp / 'mlflow.db'}",
+        "datasets": {"text": {"path": "data/text.jsonl", "kind": "text"},
+                     "pairs": {"path": "data/pairs.jsonl", "kind": "preference"}},
+        "stages": {
+            "ingest": {"kind": "ingest", "inputs": ["text"], "retries": 0},
+            "shard": {"kind": "shard", "inputs": ["ingest"], "max_count": 20, "validation_fraction": 0.1,
+                      "retries": 0, **shard},
+            "ingest_pairs": {"kind": "ingest", "inputs": ["pairs"], "retries": 0},
+            "shard_pairs": {"kind": "shard", "inputs": ["ingest_pairs"], "retries": 0},
+        },
+    }
+
+
+@pytest.fixture
+def kinds():
+    from tasks import REGISTRY
+
+    return REGISTRY
