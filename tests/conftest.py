@@ -75,3 +75,17 @@ def kinds():
     from tasks import REGISTRY
 
     return REGISTRY
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_prefect_ephemeral_server():
+    """Stop Prefect's temporary API server while pytest's output streams are still open."""
+    yield
+    import sys
+
+    if "prefect.server.api.server" in sys.modules:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        for server in list(SubprocessASGIServer._instances.values()):
+            if server.running:
+                server.stop()
