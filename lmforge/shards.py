@@ -3,9 +3,28 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import fsspec
+
 from lmforge.store import Artifact
 
 SPLITS = ("train", "validation")
+OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs")
+
+
+def _fsspec_gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any):
+    return fsspec.open(url, mode).open()
+
+
+def register_webdataset_schemes() -> None:
+    """webdataset 1.0 has no s3:// opener; route object-store URLs through fsspec (credentials and
+    endpoint from the environment). Idempotent; done at import so DataLoader workers get it too."""
+    from webdataset.gopen import gopen_schemes
+
+    for scheme in OBJECT_STORE_SCHEMES:
+        gopen_schemes.setdefault(scheme, _fsspec_gopen)
+
+
+register_webdataset_schemes()
 
 
 def shard_name(split: str, index: int) -> str:

@@ -84,8 +84,35 @@ def _stop_prefect_ephemeral_server():
     import sys
 
     if "prefect.server.api.server" in sys.modules:
+        from prefect.logging.handlers import APILogWorker
         from prefect.server.api.server import SubprocessASGIServer
+
+        APILogWorker.drain_all(timeout=5)  # send buffered logs before the API goes away
 
         for server in list(SubprocessASGIServer._instances.values()):
             if server.running:
                 server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real SeaweedFS S3 server on 127.0.0.1 with bucket `lmforge-test`; AWS_* env set while it runs."""
+    import s3fs
+
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.make_bucket("lmforge-test")
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -2,14 +2,23 @@
 
     with S3Server(tmp_path) as s3:
         s3.make_bucket("data")
-        monkeypatch.setenv(...) for each item of s3.env()
+        for key, value in s3.env().items():
+            monkeypatch.setenv(key, value)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)  # endpoint comes from the env
 
 Everything listens on 127.0.0.1 only, on freshly picked ports; auth is enforced with
 random per-server credentials (a wrong secret gets SignatureDoesNotMatch).
+
+Traps: fsspec caches S3FileSystem instances regardless of the environment, so a cached one
+keeps an old server's endpoint (use skip_instance_cache=True or
+s3fs.S3FileSystem.clear_instance_cache()); webdataset 1.0.2 has no s3:// handler (register
+one in webdataset.gopen.gopen_schemes, e.g. `lambda url, mode="rb", bufsize=8192, **kw:
+fsspec.open(url, mode).open()`); bucket names need 3-63 characters.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -118,7 +127,8 @@ class S3Server:
         self.ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS))))
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         cmd = [
-            _weed_binary(), "mini",
+            # -logtostderr: glog would otherwise write weed.* log files into $TMPDIR.
+            _weed_binary(), "-logtostderr", "mini",
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false",
             f"-dir={data_dir}",
@@ -126,6 +136,8 @@ class S3Server:
             # Without a short idle timeout the volume server waits ~30s on shutdown for the
             # process-internal keep-alive connections to time out.
             "-idleTimeout=2",
+            # Behave like AWS: no implicit bucket creation on PUT, no deleting non-empty buckets.
+            "-s3.autoCreateBucket=false", "-s3.allowDeleteBucketNotEmpty=false",
             "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             *(f"-{name}.port={port}" for name, port in self.ports.items()),
         ]
@@ -145,6 +157,7 @@ class S3Server:
         except BaseException:
             self.stop()
             raise
+        atexit.register(self.stop)  # don't leave an orphan if a test run forgets (or crashes)
         log.info("SeaweedFS S3 ready at %s in %.1fs (pid %d)", self.endpoint, time.monotonic() - t0, self._proc.pid)
         return self
 
@@ -170,6 +183,7 @@ class S3Server:
     def stop(self) -> None:
         """SIGTERM the server's process group by PID; SIGKILL it after the grace period."""
         proc, self._proc = self._proc, None
+        atexit.unregister(self.stop)
         if proc is not None:
             t0 = time.monotonic()
             self._signal_group(proc, signal.SIGTERM)
