@@ -110,6 +110,6 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
     tracker.log_metrics(parent, metrics)
     tracker.end_run(parent, "FAILED" if failures else "FINISHED")
     if failures:
-        raise StageFailed(failures)
+        raise StageFailed(failures, flow_run['id'] or None)
     log.info("pipeline %s: %d stage(s) ran, %d cached", cfg.name, summary["ran"], summary["cached"])
     return summary

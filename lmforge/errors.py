@@ -44,8 +44,13 @@ class StageFailed(LmforgeError):
 
     retryable = False
 
-    def __init__(self, failures: dict[str, str]):
+    def __init__(self, failures: dict[str, str], flow_run_id: str | None = None):
         self.failures = failures
+        self.flow_run_id = flow_run_id
         lines = [f"{len(failures)} stage(s) failed:"]
         lines += [f"  - stage '{name}': {cause}" for name, cause in failures.items()]
+        lines.append("Finished stages are kept: fix the cause and run the same command again to redo only the "
+                     "failed stages and what depends on them"
+                     + (f" (or: prefect flow-run retry {flow_run_id} --entrypoint flows/pipeline.py:pipeline)"
+                        if flow_run_id else "") + ".")
         super().__init__("\n".join(lines))

@@ -10,17 +10,26 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    """Log lmforge's own loggers to stderr with secrets redacted (idempotent)."""
+    """Log lmforge's loggers to stderr, with secrets redacted on every handler (idempotent).
+
+    Under Prefect, whose console handler already serves these loggers (PREFECT_LOGGING_EXTRA_LOGGERS),
+    no second handler is added; the redaction filter goes onto Prefect's handlers too (console and
+    API), since logger-level filters do not apply to records from child loggers.
+    """
+    names = ("lmforge", "tasks", "trainer", "flows")
+    handlers = [h for n in names for h in logging.getLogger(n).handlers]
     root = logging.getLogger()
-    if not any(getattr(h, "_lmforge", False) for h in root.handlers):
+    prefect_console = any(type(h).__name__ == "PrefectConsoleHandler" for h in handlers + root.handlers)
+    if not prefect_console and not any(getattr(h, "_lmforge", False) for h in root.handlers):
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter(FORMAT, "%H:%M:%S"))
-        h.addFilter(RedactingFilter())
         h._lmforge = True  # type: ignore[attr-defined]
         root.addHandler(h)
-    for name in ("lmforge", "tasks", "trainer", "flows"):
-        logging.getLogger(name).setLevel(level)
-        logging.getLogger(name).addFilter(RedactingFilter())
+    for h in handlers + root.handlers:
+        if not any(isinstance(f, RedactingFilter) for f in h.filters):
+            h.addFilter(RedactingFilter())
+    for n in names:
+        logging.getLogger(n).setLevel(level)
 
 
 class Progress:

@@ -1,6 +1,7 @@
 """Webdataset shards: names, URLs and a reader that works on local and S3 stores."""
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator
 
 import fsspec
@@ -51,6 +52,5 @@ def iter_samples(artifact: Artifact, split: str = "train") -> Iterator[dict[str,
     urls = shard_urls(artifact, split)
     if not urls:
         return
-    ds = wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode()
-    for sample in ds:
-        yield sample["json"]
+    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+        yield json.loads(sample["json"])  # direct: webdataset's generic .decode() costs ~30% here

@@ -156,3 +156,31 @@ def test_cli_run_plan_and_artifacts(cfg_path, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "stage 'ingest_pairs': DataError" in err and "missing field 'chosen'" in err
     assert main(["artifacts", "show", "zzzz", "--store", str(tmp_path / "artifacts")]) == 2
+
+
+def test_prefect_flow_run_retry_redoes_only_the_failed_stages(tmp_path):
+    """`prefect flow-run retry` re-enters the same flow run; the store decides what is left to do."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cfg = write_config(tmp_path, basic_config(tmp_path))
+    pairs = tmp_path / "data/pairs.jsonl"
+    good = pairs.read_text()
+    pairs.write_text('{"prompt": 1}\n')
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}  # own API db, own server
+    first = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg)], cwd=REPO, env=env,
+                           capture_output=True, text=True)
+    assert first.returncode == 1
+    m = re.search(r"prefect flow-run retry ([0-9a-f-]{36}) --entrypoint flows/pipeline.py:pipeline", first.stderr)
+    assert m, first.stderr
+    pairs.write_text(good)
+    retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", m.group(1), "--entrypoint",
+                            "flows/pipeline.py:pipeline"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    logs = retry.stdout + retry.stderr
+    assert sorted(re.findall(r"stage (\w+): running", logs)) == ["ingest_pairs", "shard_pairs"]
+    assert sorted(re.findall(r"stage (\w+): cached", logs)) == ["ingest", "shard"]

@@ -1,0 +1,165 @@
+"""Run one function over many items: in this process, on a local process pool, or on a Dask cluster.
+
+    with make_mapper(workers=4, dask_address=None) as mapper:
+        results = mapper.map(fn, items, what="partitions")   # in the order of items
+
+`fn` must be a module-level function and the items and results plain picklable data, so the same
+call works in every backend. Results come back in item order whatever order the tasks finish in,
+so callers stay deterministic. Progress is logged as tasks finish.
+
+Backends, picked by `make_mapper`:
+- inside a Dask worker (e.g. a stage running as a task of Prefect's DaskTaskRunner): the worker's
+  own client, through `distributed.worker_client()`, which also takes this task's thread out of the
+  worker's pool while it waits, so the fan-out cannot deadlock a cluster with few threads;
+- `dask_address` set: `distributed.Client(dask_address)`;
+- `workers` > 1: a `ProcessPoolExecutor` with the "forkserver" start method (forking a process
+  that runs threads, as Prefect and MLflow do, can deadlock);
+- otherwise, or inside a daemonic process (which may not start children): in this process.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Any, Callable, Iterable, Sequence
+
+from lmforge.log import Progress
+
+log = logging.getLogger(__name__)
+
+
+class Mapper:
+    """Base: `map(fn, items)` -> results in item order. `parallelism` is how many tasks run at once."""
+
+    kind = "in-process"
+    parallelism = 1
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any], what: str = "tasks") -> list[Any]:
+        items = list(items)
+        progress = Progress(log, f"{what} ({self.kind})", total=len(items), unit="tasks")
+        out = []
+        for item in items:
+            out.append(fn(item))
+            progress.update()
+        progress.done()
+        return out
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Mapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind}, parallelism={self.parallelism})"
+
+
+class ProcessPoolMapper(Mapper):
+    kind = "process pool"
+
+    def __init__(self, workers: int):
+        self.parallelism = workers
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+
+    def map(self, fn, items, what="tasks"):
+        items = list(items)
+        progress = Progress(log, f"{what} ({self.kind}, {self.parallelism} workers)", total=len(items), unit="tasks")
+        futures = [self._pool.submit(fn, item) for item in items]
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    f.result()  # raise the first failure at once
+                progress.update(len(done))
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+        progress.done()
+        return [f.result() for f in futures]
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class DaskMapper(Mapper):
+    kind = "dask"
+
+    def __init__(self, client, stack: contextlib.ExitStack):
+        self.client, self._stack = client, stack
+        self.parallelism = max(1, sum(client.nthreads().values()))
+
+    def map(self, fn, items, what="tasks"):
+        from distributed import as_completed
+
+        items = list(items)
+        progress = Progress(log, f"{what} (dask {self.client.scheduler.address}, {self.parallelism} threads)",
+                            total=len(items), unit="tasks")
+        futures = self.client.map(fn, items, pure=False)
+        try:
+            for f in as_completed(futures):
+                if f.status == "error":
+                    f.result()  # raises the task's exception
+                progress.update()
+            results = self.client.gather(futures)
+        finally:
+            for f in futures:
+                f.release()
+        progress.done()
+        return results
+
+    def close(self):
+        self._stack.close()
+
+
+def in_dask_worker() -> bool:
+    try:
+        from distributed import get_worker
+    except ImportError:
+        return False
+    try:
+        get_worker()
+    except ValueError:
+        return False
+    return True
+
+
+def make_mapper(workers: int | None = None, dask_address: str | None = None) -> Mapper:
+    """The mapper for this process: see the module doc for which backend is picked when."""
+    if in_dask_worker():
+        from distributed import get_worker, worker_client
+
+        stack = contextlib.ExitStack()
+        if dask_address and dask_address != get_worker().scheduler.address:
+            from distributed import Client
+
+            client = stack.enter_context(Client(dask_address, set_as_default=False))
+        else:
+            client = stack.enter_context(worker_client())
+        return DaskMapper(client, stack)
+    if dask_address:
+        from distributed import Client
+
+        stack = contextlib.ExitStack()
+        try:
+            client = stack.enter_context(Client(dask_address, set_as_default=False, timeout="30s"))
+        except OSError as e:
+            raise OSError(f"cannot reach the Dask scheduler at dask_address {dask_address!r}: {e}. Start the "
+                          "cluster (dask scheduler / dask worker), or leave dask_address unset to run locally") from None
+        return DaskMapper(client, stack)
+    n = workers if workers is not None else (os.cpu_count() or 1)
+    if n > 1 and multiprocessing.current_process().daemon:
+        log.warning("running in a daemonic process, which cannot start a process pool: using 1 worker, not %d", n)
+        n = 1
+    return ProcessPoolMapper(n) if n > 1 else Mapper()
+
+
+def chunked(seq: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    """`seq` cut into consecutive slices of at most `size` items."""
+    return [seq[i:i + size] for i in range(0, len(seq), size)]
