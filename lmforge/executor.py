@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from lmforge import provenance
 from lmforge.datasets import DatasetInput
 from lmforge.plan import Plan, StagePlan
-from lmforge.stage import StageDef, numeric_leaves
+from lmforge.stage import StageDef, StageRuntime, numeric_leaves
 from lmforge.store import Artifact, _now
 from lmforge.tracking import Tracker
 
@@ -91,7 +91,13 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
         inputs = _load_inputs(ctx, sp)
         started, t0 = _now(), time.monotonic()
         with store.staging(sp.kind, sp.artifact_id) as out:
-            result = sdef.run(sc, inputs, out)
+            if sdef.wants_runtime:
+                runtime = StageRuntime(pipeline=plan.cfg.name, stage=name, kind=sp.kind, artifact_id=sp.artifact_id,
+                                       store=store, checkpoint_uri=store.checkpoint_uri(sp.kind, sp.artifact_id),
+                                       tracking_uri=tr.uri if tr else None, mlflow_run_id=run_id)
+                result = sdef.run(sc, inputs, out, runtime=runtime)
+            else:
+                result = sdef.run(sc, inputs, out)
             seconds = time.monotonic() - t0
             manifest = {
                 "manifest_version": 1,

@@ -96,19 +96,17 @@ class DaskMapper(Mapper):
         self.parallelism = max(1, sum(client.nthreads().values()))
 
     def map(self, fn, items, what="tasks"):
-        from distributed import as_completed
-
         items = list(items)
         progress = Progress(log, f"{what} (dask {self.client.scheduler.address}, {self.parallelism} threads)",
                             total=len(items), unit="tasks")
         futures = self.client.map(fn, items, pure=False)
+        results = []
         try:
-            for f in as_completed(futures):
-                if f.status == "error":
-                    f.result()  # raises the task's exception
+            for f in futures:  # in item order; raises the task's own exception
+                results.append(f.result())
                 progress.update()
-            results = self.client.gather(futures)
         finally:
+            self.client.cancel([f for f in futures if not f.done()])
             for f in futures:
                 f.release()
         progress.done()

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from lmforge.config import StageConfig
 from lmforge.datasets import DatasetInput
 from lmforge.store import Artifact
+from lmforge.store import ArtifactStore as Store
 
 Input = Union[DatasetInput, Artifact]
 
@@ -55,13 +56,33 @@ def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class StageRuntime:
+    """Where a stage runs, for stages that need more than `out` (checkpoints, live metrics).
+
+    Passed as `run(cfg, inputs, out, runtime=...)` to stages whose StageDef sets `wants_runtime`.
+    A training stage hands these to its child process: checkpoints go to `checkpoint_uri` right
+    away (so a rerun resumes), metrics go to the stage's MLflow run `mlflow_run_id`.
+    """
+
+    pipeline: str
+    stage: str
+    kind: str
+    artifact_id: str
+    store: Store
+    checkpoint_uri: str
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+
+@dataclass(frozen=True)
 class StageDef:
     kind: str
     version: str  # bump when the stage's output changes meaning; part of every artifact id
     config: type[StageConfig]
-    run: Callable[[Any, list[Any], Path], Result]
+    run: Callable[..., Result]  # run(cfg, inputs, out) -> Result, plus runtime= if wants_runtime
     output_port: Callable[[Any, list[Port]], Port]  # raises ValueError naming the bad input
     description: str = ""
+    wants_runtime: bool = False
 
 
 def expect_inputs(inputs: list[Port], stage: str, *, count: int | None = None, types: set[str],

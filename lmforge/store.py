@@ -173,6 +173,9 @@ class ArtifactStore:
     def checkpoint_path(self, kind: str, aid: str) -> str:
         return f"{self.artifact_path(kind, aid)}/{CHECKPOINTS}"
 
+    def checkpoint_uri(self, kind: str, aid: str) -> str:
+        return f"{self.artifact_uri(kind, aid)}/{CHECKPOINTS}"
+
     # ---- reading
     def get(self, kind: str, aid: str) -> Artifact | None:
         """The finished artifact, or None when it has no manifest (absent or half-written)."""
