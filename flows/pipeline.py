@@ -10,7 +10,10 @@ import logging
 import os
 from typing import Any
 
+# stage logs show in the terminal and in the Prefect UI under their task run; stages also run
+# outside flows (tests, scripts), where there is no flow run to send logs to: that is fine
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lmforge,tasks,trainer,flows")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 import yaml  # noqa: E402
 from prefect import flow, runtime, task  # noqa: E402
