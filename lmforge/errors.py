@@ -39,6 +39,21 @@ class ArtifactError(LmforgeError):
     retryable = False
 
 
+class FailedAfterPublish(LmforgeError):
+    """A stage finished its work but its outcome fails a check (e.g. an eval gate).
+
+    The executor publishes the artifact with `result` (so the failure can be inspected and
+    compared), records `failure` in the manifest, and then fails the stage. A cached rerun of
+    the same artifact fails again with the same message: a gate cannot pass by being cached.
+    """
+
+    retryable = False
+
+    def __init__(self, message: str, result):
+        self.result = result
+        super().__init__(message)
+
+
 class StageFailed(LmforgeError):
     """Raised by the flow when one or more stages failed; names each stage and its cause."""
 

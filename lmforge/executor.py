@@ -4,6 +4,7 @@ No Prefect here: `flows/` wraps `execute_stage` in a Prefect task, and tests can
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any, Mapping
 
 from lmforge import provenance
 from lmforge.datasets import DatasetInput
+from lmforge.errors import FailedAfterPublish
 from lmforge.plan import Plan, StagePlan
 from lmforge.stage import StageDef, StageRuntime, numeric_leaves
 from lmforge.store import Artifact, _now
@@ -76,8 +78,10 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                                   ctx.parent_run_id)
             tr.log_params(run_id, sp.settings)
             tr.log_metrics(run_id, numeric_leaves(existing.result))
-            tr.end_run(run_id)
+            tr.end_run(run_id, "FAILED" if existing.manifest.get("failure") else "FINISHED")
         store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
+        if existing.manifest.get("failure"):
+            raise FailedAfterPublish(f"{existing.manifest['failure']} (cached artifact {sp.uri})", existing.result)
         log.info("stage %s: cached %s", name, sp.uri)
         return {"stage": name, "status": "cached", "artifact_id": sp.artifact_id, "uri": sp.uri,
                 "seconds": 0.0, "mlflow_run_id": run_id}
@@ -91,13 +95,18 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
         inputs = _load_inputs(ctx, sp)
         started, t0 = _now(), time.monotonic()
         with store.staging(sp.kind, sp.artifact_id) as out:
+            failure: FailedAfterPublish | None = None
             if sdef.wants_runtime:
                 runtime = StageRuntime(pipeline=plan.cfg.name, stage=name, kind=sp.kind, artifact_id=sp.artifact_id,
                                        store=store, checkpoint_uri=store.checkpoint_uri(sp.kind, sp.artifact_id),
                                        tracking_uri=tr.uri if tr else None, mlflow_run_id=run_id)
-                result = sdef.run(sc, inputs, out, runtime=runtime)
+                run = functools.partial(sdef.run, runtime=runtime)
             else:
-                result = sdef.run(sc, inputs, out)
+                run = sdef.run
+            try:
+                result = run(sc, inputs, out)
+            except FailedAfterPublish as e:  # complete output that fails a check: publish, then fail
+                failure, result = e, e.result
             seconds = time.monotonic() - t0
             manifest = {
                 "manifest_version": 1,
@@ -116,11 +125,16 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                 "environment": provenance.environment(),
                 "timings": {"started_at": started, "finished_at": _now(), "seconds": round(seconds, 3)},
             }
+            if failure is not None:
+                manifest["failure"] = str(failure)
             artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced)
         store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
         if tr:
             tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
-            tr.end_run(run_id)
+            if failure is None:
+                tr.end_run(run_id)
+        if failure is not None:
+            raise failure
         log.info("stage %s: done in %.1fs -> %s", name, seconds, artifact.uri)
         return {"stage": name, "status": "ran", "artifact_id": sp.artifact_id, "uri": sp.uri,
                 "seconds": round(seconds, 3), "mlflow_run_id": run_id}
