@@ -6,6 +6,7 @@ CLI all skip finished stages the same way. Prefect's own result cache is switche
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -40,6 +41,27 @@ def _retry_condition(task, task_run, state) -> bool:
     return not (isinstance(exc, LmforgeError) and not exc.retryable)
 
 
+def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, str]]:
+    """Wait for every stage; (per-stage summaries, failures by stage name with their cause)."""
+    stages: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    for name, fut in futures.items():
+        fut.wait()
+        state = fut.state
+        if state.is_completed():
+            stages[name] = fut.result()
+            continue
+        exc = state.result(raise_on_failure=False) if state.is_failed() else None
+        if isinstance(exc, BaseException):
+            failures[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            upstream = [i for i in cfg.stages[name].inputs if i in failures]
+            failures[name] = f"not run: upstream {', '.join(upstream)} failed" if upstream else \
+                f"{state.name}: {state.message}"
+        stages[name] = {"stage": name, "status": "failed", "error": failures[name]}
+    return stages, failures
+
+
 @task(cache_policy=NO_CACHE, persist_result=False)
 def stage_task(ctx: RunContext, name: str) -> dict[str, Any]:
     return execute_stage(ctx, name)
@@ -71,30 +93,24 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
     tracker.log_text(parent, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")
     ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker, parent_run_id=parent, flow_run=flow_run)
 
-    futures = {}
-    for name in plan.stages:
-        sc = cfg.stages[name]
-        t = stage_task.with_options(name=name, task_run_name=name, retries=sc.retries,
-                                    retry_delay_seconds=sc.retry_delay_seconds, timeout_seconds=sc.timeout_seconds,
-                                    retry_condition_fn=_retry_condition)
-        futures[name] = t.submit(ctx, name, wait_for=[futures[i] for i in sc.inputs if i in futures])
+    with contextlib.ExitStack() as stack:
+        if cfg.dask_address:  # every stage becomes a task on the Dask cluster
+            from prefect_dask import DaskTaskRunner
 
-    stages: dict[str, Any] = {}
-    failures: dict[str, str] = {}
-    for name, fut in futures.items():
-        fut.wait()
-        state = fut.state
-        if state.is_completed():
-            stages[name] = fut.result()
-            continue
-        exc = state.result(raise_on_failure=False) if state.is_failed() else None
-        if isinstance(exc, BaseException):
-            failures[name] = f"{type(exc).__name__}: {exc}"
+            runner = stack.enter_context(DaskTaskRunner(address=cfg.dask_address))
+            log.info("running stages on the Dask cluster at %s", cfg.dask_address)
         else:
-            upstream = [i for i in cfg.stages[name].inputs if i in failures]
-            failures[name] = f"not run: upstream {', '.join(upstream)} failed" if upstream else \
-                f"{state.name}: {state.message}"
-        stages[name] = {"stage": name, "status": "failed", "error": failures[name]}
+            runner = None
+        futures = {}
+        for name in plan.stages:
+            sc = cfg.stages[name]
+            t = stage_task.with_options(name=name, task_run_name=name, retries=sc.retries,
+                                        retry_delay_seconds=sc.retry_delay_seconds,
+                                        timeout_seconds=sc.timeout_seconds, retry_condition_fn=_retry_condition)
+            wait_for = [futures[i] for i in sc.inputs if i in futures]
+            futures[name] = runner.submit(t, {"ctx": ctx, "name": name}, wait_for=wait_for) if runner else \
+                t.submit(ctx, name, wait_for=wait_for)
+        stages, failures = _collect(futures, cfg)
 
     summary = {
         "pipeline": cfg.name,

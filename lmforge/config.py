@@ -81,6 +81,10 @@ class PipelineConfig(BaseModel):
     name: str = Field(pattern=NAME_RE, description="Pipeline name; also the MLflow experiment name.")
     store: str = Field("./artifacts", description="Artifact store: a local folder or an fsspec URL (s3://bucket/prefix).")
     tracking: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI; relative sqlite paths resolve against the project root.")
+    dask_address: str | None = Field(
+        None, description="Run the stages as tasks on this Dask cluster through prefect-dask's DaskTaskRunner "
+        "(e.g. tcp://127.0.0.1:8786); data stages then fan their partitions out over its workers. Unset: stages "
+        "run in threads of this process. Never changes an artifact id.")
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict, description="Named raw data sources.")
     stages: dict[str, StageConfig] = Field(description="Named stages; the DAG comes from their inputs.")
     root: Path = Field(Path("."), exclude=True, description="Project root that relative paths resolve against.")

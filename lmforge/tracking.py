@@ -94,6 +94,16 @@ class Tracker:
             except Exception:  # created concurrently by another process
                 self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
 
+    def __getstate__(self) -> dict[str, Any]:  # travels to Dask workers: client and lock are rebuilt there
+        return {"uri": self.uri, "experiment_id": self.experiment_id}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri, self.experiment_id = state["uri"], state["experiment_id"]
+        self.lock = threading.RLock()
+        self.client = MlflowClient(tracking_uri=self.uri)
+
     def start_run(self, name: str, tags: dict[str, str], parent_id: str | None = None) -> str:
         with self.lock:
             tags = {k: redact(str(v)) for k, v in tags.items()}
