@@ -13,7 +13,8 @@ Backends, picked by `make_mapper`:
   worker's pool while it waits, so the fan-out cannot deadlock a cluster with few threads;
 - `dask_address` set: `distributed.Client(dask_address)`;
 - `workers` > 1: a `ProcessPoolExecutor` with the "forkserver" start method (forking a process
-  that runs threads, as Prefect and MLflow do, can deadlock);
+  that runs threads, as Prefect and MLflow do, can deadlock). Like "spawn", it imports the main
+  module in the workers, so a script that runs a stage needs the `if __name__ == "__main__":` guard;
 - otherwise, or inside a daemonic process (which may not start children): in this process.
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterable, Sequence
 
 from lmforge.log import Progress
@@ -62,9 +65,13 @@ class Mapper:
 class ProcessPoolMapper(Mapper):
     kind = "process pool"
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, preload: Sequence[str] = ()):
         self.parallelism = workers
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+        ctx = multiprocessing.get_context("forkserver")
+        # modules imported once by the fork server, so workers start with them loaded (if this
+        # process has not started its fork server yet; the setting is global to the process)
+        ctx.set_forkserver_preload(["__main__", *preload])
+        self._pool = ProcessPoolExecutor(workers, mp_context=ctx)
 
     def map(self, fn, items, what="tasks"):
         items = list(items)
@@ -77,6 +84,11 @@ class ProcessPoolMapper(Mapper):
                 for f in done:
                     f.result()  # raise the first failure at once
                 progress.update(len(done))
+        except BrokenProcessPool as e:
+            raise RuntimeError(
+                f"a {what} worker process died: out of memory, or it was killed, or the main script lacks the "
+                "`if __name__ == '__main__':` guard that process pools need. Set workers: 1 to run in-process "
+                "and see the cause") from e
         except BaseException:
             for f in pending:
                 f.cancel()
@@ -117,10 +129,9 @@ class DaskMapper(Mapper):
 
 
 def in_dask_worker() -> bool:
-    try:
-        from distributed import get_worker
-    except ImportError:
+    if "distributed" not in sys.modules:  # a Dask worker has imported it; importing it here costs ~1 s
         return False
+    from distributed import get_worker
     try:
         get_worker()
     except ValueError:
@@ -128,8 +139,11 @@ def in_dask_worker() -> bool:
     return True
 
 
-def make_mapper(workers: int | None = None, dask_address: str | None = None) -> Mapper:
-    """The mapper for this process: see the module doc for which backend is picked when."""
+def make_mapper(workers: int | None = None, dask_address: str | None = None, preload: Sequence[str] = ()) -> Mapper:
+    """The mapper for this process: see the module doc for which backend is picked when.
+
+    `preload`: modules a local process pool imports before forking its workers (e.g. the module of
+    the mapped functions), so each worker does not import them again."""
     if in_dask_worker():
         from distributed import get_worker, worker_client
 
@@ -155,9 +169,4 @@ def make_mapper(workers: int | None = None, dask_address: str | None = None) -> 
     if n > 1 and multiprocessing.current_process().daemon:
         log.warning("running in a daemonic process, which cannot start a process pool: using 1 worker, not %d", n)
         n = 1
-    return ProcessPoolMapper(n) if n > 1 else Mapper()
-
-
-def chunked(seq: Sequence[Any], size: int) -> list[Sequence[Any]]:
-    """`seq` cut into consecutive slices of at most `size` items."""
-    return [seq[i:i + size] for i in range(0, len(seq), size)]
+    return ProcessPoolMapper(n, preload) if n > 1 else Mapper()
