@@ -18,14 +18,13 @@ def _fsspec_gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any):
 
 def register_webdataset_schemes() -> None:
     """webdataset 1.0 has no s3:// opener; route object-store URLs through fsspec (credentials and
-    endpoint from the environment). Idempotent; done at import so DataLoader workers get it too."""
+    endpoint from the environment). Idempotent; call it in any process that opens shard URLs
+    (a spawned DataLoader worker too). webdataset imports torch, so this is not done at import."""
     from webdataset.gopen import gopen_schemes
 
     for scheme in OBJECT_STORE_SCHEMES:
         gopen_schemes.setdefault(scheme, _fsspec_gopen)
 
-
-register_webdataset_schemes()
 
 
 def shard_name(split: str, index: int) -> str:
@@ -40,6 +39,7 @@ def shard_files(artifact: Artifact, split: str) -> list[str]:
 def shard_urls(artifact: Artifact, split: str) -> list[str]:
     """URLs that `webdataset.WebDataset` opens: plain paths locally, fsspec URLs on object storage."""
     names = shard_files(artifact, split)
+    register_webdataset_schemes()
     if artifact.store.local:
         return [f"{artifact.path}/{n}" for n in names]
     return [artifact.file_uri(n) for n in names]
@@ -49,6 +49,7 @@ def iter_samples(artifact: Artifact, split: str = "train") -> Iterator[dict[str,
     """Decoded records of one split, in shard order."""
     import webdataset as wds
 
+    register_webdataset_schemes()
     urls = shard_urls(artifact, split)
     if not urls:
         return
