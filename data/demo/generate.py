@@ -16,10 +16,14 @@ def fact(a: int, b: int) -> str:
 
 
 def main() -> None:
+    docs = [" ".join(fact(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(rng.randint(4, 10)))
+            for _ in range(1500)]
+    # duplicates for the dedup stage to find: 20 exact copies, 20 copies with one fact appended
+    long_docs = [d for d in docs if d.count(".") == 10]
+    docs += rng.sample(docs, 20) + [d + " " + fact(1, 1) for d in rng.sample(long_docs, 20)]
     with open(HERE / "text.jsonl", "w") as f:
-        for _ in range(1500):
-            facts = [fact(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(rng.randint(4, 10))]
-            f.write(json.dumps({"text": " ".join(facts)}) + "\n")
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
     with open(HERE / "chat.jsonl", "w") as f:
         for _ in range(800):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
