@@ -123,8 +123,8 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
     }
     metrics = {"stages_ran": summary["ran"], "stages_cached": summary["cached"], "stages_failed": summary["failed"]}
     for name, s in stages.items():
-        art = plan.store.get(plan.stages[name].kind, plan.stages[name].artifact_id) if s["status"] != "failed" else None
-        if art is not None:
+        art = plan.store.get(plan.stages[name].kind, plan.stages[name].artifact_id)
+        if art is not None and (s["status"] != "failed" or art.manifest.get("failure")):  # incl. failed gates
             metrics.update({f"{name}/{k}": v for k, v in numeric_leaves(art.result).items()})
     tracker.log_metrics(parent, metrics)
     tracker.end_run(parent, "FAILED" if failures else "FINISHED")

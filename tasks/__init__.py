@@ -7,5 +7,7 @@ from __future__ import annotations
 
 from lmforge.stage import StageDef
 from tasks import dedup, filter, ingest, shard
+from tasks import eval as eval_stage  # the name "eval" would shadow the builtin
 
-REGISTRY: dict[str, StageDef] = {s.kind: s for s in (ingest.STAGE, filter.STAGE, dedup.STAGE, shard.STAGE)}
+REGISTRY: dict[str, StageDef] = {s.kind: s for s in (ingest.STAGE, filter.STAGE, dedup.STAGE, shard.STAGE,
+                                                      eval_stage.STAGE)}

@@ -1,0 +1,539 @@
+"""eval: perplexity against a plain forward pass, lm-eval tasks with answers known by construction,
+preference accuracy, the comparison table, gates, MLflow names, bad input.
+
+The models are tiny GPT-2s over a byte-level BPE tokenizer trained here. `seven` and `five` are the same
+random model trained for a few dozen steps with plain torch to answer every "What is a plus b?\\nAnswer:"
+with " 7" (resp. " 5"), so their accuracy on a task is the share of documents whose answer is 7 (5).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.config import parse_config
+from lmforge.errors import ArtifactError, ConfigError, DataError, FailedAfterPublish
+from lmforge.executor import RunContext, execute_stage
+from lmforge.plan import make_plan
+from lmforge.shards import iter_samples
+from lmforge.stage import StageRuntime
+from lmforge.store import ArtifactStore
+from lmforge.tracking import Tracker
+from tasks import eval as ev_stage
+from tasks.eval import EvalConfig, Gate, check_gates, comparison_rows
+from tests.conftest import basic_config, text_rows, write_jsonl
+from trainer import evaluate as ev
+
+# the test tasks: every row offers 5 and 7, so `seven` is right exactly on rows 1-3 and `five` on row 4
+ROWS = [("What is 3 plus 4?", "7", ["5", "7", "9"]), ("What is 2 plus 5?", "7", ["7", "5", "9"]),
+        ("What is 6 plus 1?", "7", ["9", "5", "7"]), ("What is 1 plus 4?", "5", ["5", "7", "9"]),
+        ("What is 4 plus 5?", "9", ["7", "9", "5"]), ("What is 1 plus 2?", "3", ["3", "5", "7"])]
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny models
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """On two shared cores torch's second thread mostly spins against other processes: one is ~10x faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+def _corpus() -> list[str]:
+    """What the tokenizer learns from: the arithmetic questions and the text rows the shard tests use."""
+    qa = [f"What is {a} plus {b}?\nAnswer: {a + b}\n" for a in range(10) for b in range(10)]
+    return qa + [r["text"] for r in text_rows(50)]
+
+
+def _train(model, tok, answer: str, steps: int = 40):
+    texts = [f"What is {a} plus {b}?\nAnswer: {answer}\n" for a in range(10) for b in range(10)]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return loss.item()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Folders: base (random), seven, five (trained), lora (a random LoRA adapter on base)."""
+    with one_torch_thread():
+        return _make_models(tmp_path_factory.mktemp("models"))
+
+
+def _make_models(root: Path) -> dict[str, Path]:
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(tok_models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=48, n_layer=2, n_head=2,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    out = {}
+    for name, answer in (("base", None), ("seven", "7"), ("five", "5")):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config)
+        if answer is not None:
+            assert _train(model, tok, answer) < 1.5  # only the two digits of each question stay unpredictable
+        out[name] = root / name
+        model.save_pretrained(out[name])
+        tok.save_pretrained(out[name])
+    torch.manual_seed(1)
+    lora = get_peft_model(GPT2LMHeadModel.from_pretrained(out["base"]),
+                          LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    out["lora"] = root / "lora"
+    lora.save_pretrained(out["lora"])
+    return out
+
+
+def publish_folder(store: ArtifactStore, kind: str, aid: str, folder: Path, tmp: Path):
+    """A finished `model` artifact holding `folder`'s files, as a training stage would leave it."""
+    staged = tmp / f"staged-{aid}"
+    shutil.copytree(folder, staged)
+    return store.publish(kind, aid, staged, {"kind": kind, "output": {"type": "model", "data_kind": None},
+                                             "result": {}})
+
+
+def run_stages(tmp: Path, raw: dict, names: list[str], kinds, tracker=None, parent=None):
+    plan = make_plan(parse_config(raw, kinds, root=tmp), kinds)
+    ctx = RunContext(plan=plan, kinds=kinds, tracker=tracker, parent_run_id=parent)
+    for n in names:
+        execute_stage(ctx, n)
+    return plan
+
+
+def write_task_dir(dir: Path, rows=ROWS, missing_column: str | None = None) -> Path:
+    """Three tasks over one jsonl, with data_files relative to the YAML's folder."""
+    data = [{"question": q, "answer": a, "choices": c, "label": c.index(a)} for q, a, c in rows]
+    if missing_column:
+        for r in data:
+            r.pop(missing_column)
+    write_jsonl(dir / "data" / "rows.jsonl", data)
+    common = ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data/rows.jsonl\ntest_split: test\n"
+              "doc_to_text: \"{{question}}\\nAnswer:\"\nmetadata:\n  version: 2.0\n")
+    (dir / "t_mc.yaml").write_text("task: t_mc\n" + common + "output_type: multiple_choice\n"
+                                   "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\n"
+                                   "metric_list:\n  - metric: acc\n")
+    (dir / "t_ll.yaml").write_text("task: t_ll\n" + common + "output_type: loglikelihood\n"
+                                   "doc_to_target: \" {{answer}}\"\nmetric_list:\n  - metric: acc\n")
+    (dir / "t_gen.yaml").write_text(
+        "task: t_gen\n" + common + "output_type: generate_until\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  do_sample: false\n  max_gen_toks: 4\n"
+        "metric_list:\n  - metric: exact_match\n    regexes_to_ignore: [\"^\\\\s+\"]\n")
+    return dir
+
+
+def cfg_of(**kw) -> EvalConfig:
+    return EvalConfig.model_validate({"kind": "eval", **kw})
+
+
+# ----------------------------------------------------------------------------------------------
+# perplexity
+
+
+def plain_perplexity(model, tok, texts: list[str], max_len: int) -> tuple[float, float]:
+    """Independent of lm-eval: every token scored once, conditioned on <eos> + up to max_len - 1 tokens
+    before it, in disjoint chunks of max_len predictions."""
+    total, ntok, nbytes = 0.0, 0, 0
+    for t in texts:
+        ids = tok(t, add_special_tokens=False)["input_ids"]
+        seq = [tok.eos_token_id] + ids
+        for start in range(0, len(ids), max_len):
+            end = min(start + max_len, len(ids))
+            lo = max(0, end - max_len)
+            with torch.no_grad():
+                logp = model(torch.tensor([seq[lo:end]])).logits[0].log_softmax(-1)
+            targets = torch.tensor(seq[lo + 1:end + 1])
+            total += logp.gather(-1, targets[:, None])[:, 0][-(end - start):].sum().item()
+        ntok += len(ids)
+        nbytes += len(t.encode("utf-8"))
+    return math.exp(-total / ntok), -total / nbytes / math.log(2)
+
+
+def test_perplexity_matches_plain_forward_pass_for_model_and_adapter(tmp_path, kinds, models):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plan = run_stages(tmp_path, basic_config(tmp_path, n=60), ["ingest", "shard"], kinds)
+    shard = plan.store.require("shard", plan.stages["shard"].artifact_id)
+    adapter = publish_folder(plan.store, "sft", "lora0000", models["lora"], tmp_path)
+    # the layout trainer/models.py writes for an adapter on a config-built base: the base inside, recorded
+    with_base = tmp_path / "with_base"
+    shutil.copytree(models["lora"], with_base)
+    shutil.copytree(models["base"], with_base / "base_model")
+    (with_base / "lmforge_model.json").write_text(json.dumps({"format": "adapter", "base": {"kind": "saved"}}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(models["base"] / f, with_base)
+    adapter_with_base = publish_folder(plan.store, "sft", "lora0001", with_base, tmp_path)
+    cfg = cfg_of(inputs=["shard", "sft", "sft2"], max_length=8, batch_size=3,
+                 models=[{"name": "base", "base": str(models["base"])},
+                         {"name": "lora", "input": "sft", "base": "base"}, {"name": "lora2", "input": "sft2"}],
+                 perplexity=[{"input": "shard", "split": "validation"}])
+    out = tmp_path / "out"
+    out.mkdir()
+    result = ev_stage.run(cfg, [shard, adapter, adapter_with_base], out)
+
+    texts = [r["text"] for r in iter_samples(shard, "validation")]
+    tok = AutoTokenizer.from_pretrained(models["base"])
+    assert len(texts) == 6 and max(len(tok(t)["input_ids"]) for t in texts) > 8  # some span several windows
+    base = AutoModelForCausalLM.from_pretrained(models["base"]).eval()
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["base"]),
+                                       models["lora"]).merge_and_unload().eval()
+    for name, model in (("base", base), ("lora", merged)):
+        ppl, bpb = plain_perplexity(model, tok, texts, max_len=8)
+        got = result.eval[name]["local_ppl"]
+        assert got["token_perplexity"] == pytest.approx(ppl, rel=1e-4)
+        assert got["bits_per_byte"] == pytest.approx(bpb, rel=1e-4)
+    assert result.eval["lora"]["local_ppl"]["bits_per_byte"] != pytest.approx(
+        result.eval["base"]["local_ppl"]["bits_per_byte"], rel=1e-3)  # the adapter was applied
+    info = result.tasks[0]
+    assert (info["task"], info["documents"], info["bytes"]) == ("local_ppl", 6, sum(len(t.encode()) for t in texts))
+    n_tokens = sum(len(tok(t)["input_ids"]) for t in texts)
+    assert info["tokens"] == {"base": n_tokens, "lora": n_tokens, "lora2": n_tokens}
+    assert result.eval["lora2"] == result.eval["lora"]
+    assert [m["origin"] for m in result.models] == [
+        str(models["base"]), "sft: sft/lora0000 on base",
+        f"sft2: sft/lora0001 on {plan.store.artifact_path('sft', 'lora0001')}/base_model"]
+
+
+# ----------------------------------------------------------------------------------------------
+# lm-eval tasks, table, files
+
+
+def test_tasks_with_known_answers_table_files_and_limit_note(tmp_path, models, monkeypatch):
+    tasks_dir = write_task_dir(tmp_path / "my_tasks")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # relative data_files must not depend on the working directory
+    cfg = cfg_of(models=[{"name": "seven", "base": str(models["seven"])},
+                         {"name": "five", "base": str(models["five"])}],
+                 tasks=["t_mc", "t_ll", "t_gen", "lmforge_arith_gen"], task_dirs=[str(tasks_dir)], limit=40,
+                 control_prompts=["What is 3 plus 4?\nAnswer:", "What is 0 plus 0?\nAnswer:"], max_new_tokens=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = ev_stage.run(cfg, [], out)
+
+    # 3 of the 6 test rows answer 7 and 1 answers 5; 3 of the first 40 rows of arith_test.jsonl answer 7, 3 answer 5
+    assert {t: {k: round(v, 6) for k, v in m.items()} for t, m in r.eval["seven"].items()} == {
+        "t_mc": {"acc": 0.5, "acc_stderr": round(math.sqrt(0.25 * 6 / 5 / 6), 6)},
+        "t_ll": {"acc": 0.5, "acc_stderr": round(math.sqrt(0.25 * 6 / 5 / 6), 6)},
+        "t_gen": {"exact_match": 0.5, "exact_match_stderr": round(math.sqrt(0.25 * 6 / 5 / 6), 6)},
+        "lmforge_arith_gen": {"exact_match": 0.075,
+                              "exact_match_stderr": round(math.sqrt(0.075 * 0.925 * 40 / 39 / 40), 6)}}
+    assert [r.eval["five"][t]["acc" if t != "t_gen" else "exact_match"] for t in ("t_mc", "t_ll", "t_gen")] == \
+        [pytest.approx(1 / 6)] * 3
+    assert r.eval["five"]["lmforge_arith_gen"]["exact_match"] == pytest.approx(0.075)
+    assert r.notes == ["t_mc: limit 40 is more than its 6 documents; lm-eval evaluated all 6",
+                       "t_ll: limit 40 is more than its 6 documents; lm-eval evaluated all 6",
+                       "t_gen: limit 40 is more than its 6 documents; lm-eval evaluated all 6"]
+    by_task = {t["task"]: t for t in r.tasks}
+    assert (by_task["t_mc"]["version"], by_task["t_mc"]["documents"], by_task["t_mc"]["evaluated"]) == (2.0, 6, 6)
+    assert (by_task["lmforge_arith_gen"]["documents"], by_task["lmforge_arith_gen"]["evaluated"]) == (50, 40)
+
+    rows = comparison_rows(r.eval, {"t_mc": {"acc": True}, "t_ll": {"acc": True}, "t_gen": {"exact_match": True},
+                                    "lmforge_arith_gen": {"exact_match": True}})
+    assert rows == [["task", "metric", "better", "seven", "five"],
+                    ["t_mc", "acc", "↑", "0.5000 ± 0.2236", "0.1667 ± 0.1667"],
+                    ["t_ll", "acc", "↑", "0.5000 ± 0.2236", "0.1667 ± 0.1667"],
+                    ["t_gen", "exact_match", "↑", "0.5000 ± 0.2236", "0.1667 ± 0.1667"],
+                    ["lmforge_arith_gen", "exact_match", "↑", "0.0750 ± 0.0422", "0.0750 ± 0.0422"]]
+    md = (out / "comparison.md").read_text()
+    assert "| t_mc | acc | ↑ | 0.5000 ± 0.2236 | 0.1667 ± 0.1667 |" in md
+    assert "Settings: num_fewshot 0, batch_size 8, seed 1234, limit 40," in md
+    assert "<td>t_mc</td><td>acc</td><td>↑</td><td>0.5000 ± 0.2236</td>" in (out / "comparison.html").read_text()
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lm_eval_json = json.loads((out / "results" / "seven.json").read_text())
+    assert lm_eval_json["results"]["t_mc"]["acc,none"] == 0.5
+    assert (lm_eval_json["lmforge"]["limit"], lm_eval_json["lmforge"]["seed"]) == (40, 1234)
+    assert lm_eval_json["n-shot"] == {"t_mc": 0, "t_ll": 0, "t_gen": 0, "lmforge_arith_gen": 0}
+    # lm-eval read the resolved copy, whose data path is absolute
+    copy = (out / "tasks" / "1-my_tasks" / "t_mc.yaml").read_text()
+    assert f"test: {tasks_dir / 'data' / 'rows.jsonl'}" in copy
+    gens = [json.loads(x) for x in (out / "control_generations.jsonl").read_text().splitlines()]
+    assert [(g["model"], g["output"]) for g in gens] == [("seven", " 7\nAnswer"), ("five", " 5\nAnswer"),
+                                                         ("seven", " 7\nAnswer"), ("five", " 5\nAnswer")]
+    assert (out / "control_generations.md").read_text().splitlines()[4:] == [
+        "| prompt | seven | five |", "|---|---|---|",
+        "| What is 3 plus 4?<br>Answer: |  7<br>Answer |  5<br>Answer |",
+        "| What is 0 plus 0?<br>Answer: |  7<br>Answer |  5<br>Answer |"]
+
+
+# ----------------------------------------------------------------------------------------------
+# preference accuracy
+
+
+def test_implicit_reward_accuracy_counts_strict_wins():
+    policy = ev.PairLogprobs(chosen=[-1.0, -2.0, -3.0], rejected=[-5.0, -2.0, -1.0])
+    ref = ev.PairLogprobs(chosen=[-2.0, -2.0, -2.0], rejected=[-2.0, -2.0, -2.0])
+    out = ev.implicit_reward_accuracy(policy, ref, beta=0.5)
+    # margins: 0.5*((1) - (-3)) = 2, 0.5*(0 - 0) = 0 (a tie is no win), 0.5*((-1) - (1)) = -1
+    assert out["accuracy"] == pytest.approx(1 / 3) and out["reward_margin"] == pytest.approx(1 / 3)
+    assert out["accuracy_stderr"] == pytest.approx(math.sqrt((2 * (1 / 3) ** 2 + (2 / 3) ** 2) / 2 / 3))
+
+
+def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds, models):
+    # every pair is 7 against 5, so each trained model's preference is known
+    pairs = [{"prompt": "What is 3 plus 4?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
+             {"prompt": "What is 2 plus 5?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
+             {"prompt": "What is 6 plus 1?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
+             {"prompt": "What is 1 plus 4?", "chosen": "Answer: 5", "rejected": "Answer: 7"}]
+    write_jsonl(tmp_path / "data" / "prefs.jsonl", pairs)
+    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
+           "datasets": {"prefs": {"path": "data/prefs.jsonl", "kind": "preference"}},
+           "stages": {"ingest": {"kind": "ingest", "inputs": ["prefs"]}}}
+    plan = run_stages(tmp_path, raw, ["ingest"], kinds)
+    records = plan.store.require("ingest", plan.stages["ingest"].artifact_id)
+    cfg = cfg_of(inputs=["ingest"], models=[{"name": "base", "base": str(models["base"])},
+                                            {"name": "seven", "base": str(models["seven"])},
+                                            {"name": "five", "base": str(models["five"])}],
+                 preference={"input": "ingest", "reference": "base", "beta": 0.1})
+    out = tmp_path / "out"
+    out.mkdir()
+    r = ev_stage.run(cfg, [records], out)
+    # `seven` raised " 7" far above the reference and lowered " 5": it prefers the 7s; `five` the 5s
+    assert r.eval["seven"]["preference"]["accuracy"] == 0.75
+    assert r.eval["five"]["preference"]["accuracy"] == 0.25
+    assert r.eval["seven"]["preference"]["reward_margin"] > 0 > r.eval["five"]["preference"]["reward_margin"]
+    assert "preference" not in r.eval["base"]  # the reference is not scored against itself
+    assert [t for t in r.tasks if t["task"] == "preference"] == [
+        {"task": "preference", "kind": "preference", "method": "implicit_dpo", "input": "ingest",
+         "split": "validation", "reference": "base", "beta": 0.1, "pairs": 4}]
+
+
+# ----------------------------------------------------------------------------------------------
+# gates
+
+
+SCORES = {"base": {"local_ppl": {"bits_per_byte": 1.50, "token_perplexity": 9.0},
+                   "t_mc": {"acc": 0.60, "acc_stderr": 0.03}},
+          "sft": {"local_ppl": {"bits_per_byte": 1.53, "token_perplexity": 9.5},
+                  "t_mc": {"acc": 0.55, "acc_stderr": 0.04}, "t_x": {"odd": 1.0}}}
+
+
+def test_gates_pass_and_fail_with_direction_and_stderr():
+    gates = [Gate(metric="sft/local_ppl/bits_per_byte", against="base", max_regression=0.02),
+             Gate(metric="sft/local_ppl/bits_per_byte", against="base", max_regression=0.05),
+             Gate(metric="sft/t_mc/acc", against="base", max_regression=0.0, stderr_k=2),
+             Gate(metric="sft/t_mc/acc", against="base", max_regression=0.0, stderr_k=0),
+             Gate(metric="sft/t_mc/acc_norm", against="base", max_regression=0.0),
+             Gate(metric="sft/t_x/odd", against="sft", max_regression=0.0)]
+    out = check_gates(gates, SCORES, {"t_mc": {"acc": True}})
+    assert [g["passed"] for g in out] == [False, True, True, False, False, False]
+    assert [g["message"] for g in out] == [
+        "gate sft/local_ppl/bits_per_byte failed: 1.53 against base's 1.5 (lower is better) is a regression of "
+        "0.03, limit 0.02 (max_regression 0.02 + 2 x stderr 0)",
+        "gate sft/local_ppl/bits_per_byte passed: 1.53 against base's 1.5 (lower is better) is a regression of "
+        "0.03, limit 0.05 (max_regression 0.05 + 2 x stderr 0)",
+        "gate sft/t_mc/acc passed: 0.55 against base's 0.6 (higher is better) is a regression of 0.05, limit 0.1 "
+        "(max_regression 0 + 2 x stderr 0.05)",
+        "gate sft/t_mc/acc failed: 0.55 against base's 0.6 (higher is better) is a regression of 0.05, limit 0 "
+        "(max_regression 0 + 0 x stderr 0.05)",
+        "gate sft/t_mc/acc_norm: sft has no metric t_mc/acc_norm (it has: local_ppl/bits_per_byte, "
+        "local_ppl/token_perplexity, t_mc/acc, t_x/odd)",
+        "gate sft/t_x/odd: lmforge does not know whether higher or lower is better for this metric; set "
+        "higher_is_better on the gate"]
+    assert (out[0]["value"], out[0]["reference"], out[0]["regression"], out[0]["limit"]) == \
+        (1.53, 1.5, pytest.approx(0.03), 0.02)
+
+
+def test_passing_gate_returns_and_logs_eval_metrics_on_the_parent_run(tmp_path, models):
+    tasks_dir = write_task_dir(tmp_path / "my_tasks")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tr = Tracker(uri, "t")
+    parent = tr.start_run("t-local", {})
+    child = tr.start_run("eval", {}, parent)
+    runtime = StageRuntime(pipeline="t", stage="eval", kind="eval", artifact_id="x",
+                           store=ArtifactStore(str(tmp_path / "artifacts")), checkpoint_uri="", tracking_uri=uri,
+                           mlflow_run_id=child)
+    cfg = cfg_of(models=[{"name": "seven", "base": str(models["seven"])},
+                         {"name": "five", "base": str(models["five"])}],
+                 tasks=["t_mc"], task_dirs=[str(tasks_dir)],
+                 gates=[{"metric": "seven/t_mc/acc", "against": "five", "max_regression": 0}])
+    out = tmp_path / "out"
+    out.mkdir()
+    r = ev_stage.run(cfg, [], out, runtime=runtime)
+    assert r.gates_failed == 0 and r.gates[0]["passed"] and r.gates[0]["regression"] == pytest.approx(-1 / 3)
+    assert tr.client.get_run(parent).data.metrics == {"eval/seven/t_mc/acc": 0.5, "eval/five/t_mc/acc": 1 / 6,
+                                                      "eval/seven/t_mc/acc_stderr": pytest.approx(0.2236068),
+                                                      "eval/five/t_mc/acc_stderr": pytest.approx(1 / 6)}
+    assert tr.client.get_run(child).data.metrics == {}  # the executor logs the Result there, after publishing
+    assert sorted(a.path for a in tr.client.list_artifacts(child, "eval")) == [
+        "eval/comparison.html", "eval/comparison.md", "eval/metrics.png"]
+
+
+def test_failing_gate_is_published_then_fails_and_fails_again_when_cached(tmp_path, kinds, models):
+    tasks_dir = write_task_dir(tmp_path / "my_tasks")
+    gates = [{"metric": "five/t_mc/acc", "against": "seven", "max_regression": 0.1},
+             {"metric": "five/t_mc/acc", "against": "seven", "max_regression": 0.1, "stderr_k": 0}]
+    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
+           "stages": {"eval": {"kind": "eval", "retries": 0, "tasks": ["t_mc"], "task_dirs": [str(tasks_dir)],
+                               "models": [{"name": "seven", "base": str(models["seven"])},
+                                          {"name": "five", "base": str(models["five"])}], "gates": gates}}}
+    plan = make_plan(parse_config(raw, kinds, root=tmp_path), kinds)
+    tr = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "t")
+    parent = tr.start_run("t-local", {})
+    ctx = RunContext(plan=plan, kinds=kinds, tracker=tr, parent_run_id=parent)
+    # with 2 x the stderr of the difference (6 documents each) the first gate passes; without, the second fails
+    message = ("1 of 2 eval gate(s) failed:\n  - gate five/t_mc/acc failed: 0.166667 against seven's 0.5 (higher is "
+               "better) is a regression of 0.333333, limit 0.1 (max_regression 0.1 + 0 x stderr 0.278887)")
+    with pytest.raises(FailedAfterPublish) as e:
+        execute_stage(ctx, "eval")
+    assert str(e.value) == message
+    art = plan.store.require("eval", plan.stages["eval"].artifact_id)  # published all the same
+    assert art.manifest["failure"] == message and art.result["gates_failed"] == 1
+    assert [g["passed"] for g in art.result["gates"]] == [True, False]
+    assert sorted({f["path"].split("/")[0] for f in art.manifest["files"]}) == [
+        "comparison.html", "comparison.md", "metrics.json", "metrics.png", "results", "tasks"]
+    with art.open("comparison.md") as f:
+        assert "- FAIL: gate five/t_mc/acc failed: 0.166667" in f.read().decode()
+    with pytest.raises(FailedAfterPublish):
+        execute_stage(ctx, "eval")  # cached: fails again without evaluating
+    runs = tr.client.search_runs([tr.experiment_id], "attributes.run_name = 'eval'")
+    assert sorted((r.data.tags["cached"], r.info.status, r.data.metrics["eval/five/t_mc/acc"]) for r in runs) == [
+        ("false", "FAILED", pytest.approx(1 / 6)), ("true", "FAILED", pytest.approx(1 / 6))]
+    assert tr.client.get_run(parent).data.metrics["eval/five/t_mc/acc"] == pytest.approx(1 / 6)
+
+
+# ----------------------------------------------------------------------------------------------
+# pipeline: config, executor, MLflow, ids
+
+
+def test_eval_stage_in_a_pipeline_logs_child_and_parent_and_id_ignores_paths(tmp_path, kinds, models):
+    raw = basic_config(tmp_path, n=40)
+    raw["stages"]["eval"] = {"kind": "eval", "inputs": ["shard"], "retries": 0,
+                             "models": [{"name": "base", "base": str(models["base"])}],
+                             "perplexity": [{"input": "shard", "max_docs": 3}]}
+    tr = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "t")
+    parent = tr.start_run("t-local", {})
+    plan = run_stages(tmp_path, raw, ["ingest", "shard", "eval"], kinds, tracker=tr, parent=parent)
+    art = plan.store.require("eval", plan.stages["eval"].artifact_id)
+    bpb = art.result["eval"]["base"]["local_ppl"]["bits_per_byte"]
+    assert 0 < bpb < 20 and art.result["gates_failed"] == 0
+    assert sorted(f["path"] for f in art.manifest["files"]) == ["comparison.html", "comparison.md", "metrics.json",
+                                                                 "metrics.png"]
+    child = tr.client.search_runs([tr.experiment_id], "tags.`lmforge.stage` = 'eval'")[0]
+    assert child.data.metrics["eval/base/local_ppl/bits_per_byte"] == bpb  # the executor, from the Result
+    assert tr.client.get_run(parent).data.metrics["eval/base/local_ppl/bits_per_byte"] == bpb  # the stage
+    # the model enters the id by content: the same folder elsewhere gives the same id
+    moved = tmp_path / "elsewhere" / "base"
+    shutil.copytree(models["base"], moved)
+    raw["stages"]["eval"]["models"][0]["base"] = str(moved)
+    again = make_plan(parse_config(raw, kinds, root=tmp_path), kinds).stages["eval"]
+    assert again.artifact_id == plan.stages["eval"].artifact_id and again.action == "cached"
+    assert plan.stages["eval"].settings["models"][0]["base"].startswith("sha256:")
+
+
+def test_config_problems_are_reported_with_their_paths(tmp_path, kinds):
+    raw = basic_config(tmp_path)
+    raw["stages"]["eval"] = {"kind": "eval", "inputs": ["shard_pairs"],
+                             "models": [{"name": "base", "base": "/m"}], "perplexity": [{"input": "shard_pairs"}]}
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw, kinds, root=tmp_path)
+    assert e.value.problems == ["stages.eval.inputs: perplexity[0].input 'shard_pairs' is preference shards; it needs "
+                                "text shards or text records (ingest a raw dataset first)"]
+    raw["stages"]["eval"] = {"kind": "eval", "inputs": ["shard"], "models": [{"name": "base", "base": "/m"}]}
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw, kinds, root=tmp_path)
+    assert e.value.problems == ["stages.eval.inputs: input(s) shard not used; name each in models (input:), "
+                                "perplexity or preference"]
+    raw["stages"]["eval"] = {"kind": "eval", "models": [{"name": "base", "base": "/m"}],
+                             "gates": [{"metric": "base/t/acc", "against": "bse", "max_regression": 0}]}
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw, kinds, root=tmp_path)
+    assert e.value.problems == ["stages.eval.gates: value error, [0].against: 'bse' is not a model name (base), got "
+                                "[{'metric': 'base/t/acc', 'against': 'bse', 'max_regression': 0}]"]
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_missing_model_folder_and_artifact_without_model(tmp_path, models):
+    missing = tmp_path / "nope"
+    with pytest.raises(DataError) as e:
+        ev_stage.run(cfg_of(models=[{"name": "base", "base": str(missing)}]), [], tmp_path)
+    assert str(e.value) == (f"models[0].base: model folder {missing} does not exist. Give a local Hugging Face "
+                            "model folder (config.json, weights, tokenizer files); relative paths resolve against the "
+                            "working directory")
+    store = ArtifactStore(str(tmp_path / "artifacts"))
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "not_a_model" / "notes.txt").write_text("hi")
+    art = publish_folder(store, "sft", "empty000", tmp_path / "not_a_model", tmp_path)
+    with pytest.raises(ArtifactError) as e:
+        ev_stage.run(cfg_of(inputs=["sft"], models=[{"name": "sft", "input": "sft"}]), [art], tmp_path)
+    assert str(e.value) == (f"models[0].input: {art.uri} holds no model: no config.json (Hugging Face model) or "
+                            "adapter_config.json (peft adapter) at its top or under model/ (it has: notes.txt). Point "
+                            "`input:` at a training stage")
+
+
+def test_unknown_task_and_missing_column(tmp_path, models):
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ConfigError) as e:
+        ev_stage.run(cfg_of(models=[{"name": "base", "base": str(models["base"])}],
+                            tasks=["lmforge_arith_mc", "lmforge_arith_mcq"]), [], out)
+    assert e.value.problems == [
+        "tasks[1]: lm-eval does not know task 'lmforge_arith_mcq' (did you mean 'lmforge_arith_mc'?). Tasks in the "
+        "task folders: lmforge_arith_gen, lmforge_arith_ll, lmforge_arith_mc; others come from lm-eval (`lm-eval ls "
+        "tasks`). Add the folder with its YAML to task_dirs, or fix the name"]
+
+    tasks_dir = write_task_dir(tmp_path / "bad_tasks", missing_column="question")
+    out = tmp_path / "out2"
+    out.mkdir()
+    with pytest.raises(DataError) as e:
+        ev_stage.run(cfg_of(models=[{"name": "base", "base": str(models["base"])}], tasks=["t_mc"],
+                            task_dirs=[str(tasks_dir)]), [], out)
+    assert str(e.value) == (f"{tasks_dir / 'data' / 'rows.jsonl'}:1: task t_mc ({tasks_dir / 't_mc.yaml'}) uses "
+                            "column 'question' in doc_to_text, which this row does not have (columns: answer, "
+                            "choices, label). Add 'question' to every row, or change the task's template")
+
+
+def test_task_copies_get_absolute_data_paths_and_keep_functions(tmp_path):
+    src = write_task_dir(tmp_path / "tasks")
+    (src / "utils.py").write_text("def keep(ds):\n    return ds\n")
+    (src / "t_fn.yaml").write_text("task: t_fn\ndataset_path: json\ndataset_kwargs:\n  data_files: [data/rows.jsonl]\n"
+                                   "process_docs: !function utils.keep\n")
+    (copy,) = ev.prepare_task_dirs([src], tmp_path / "work")
+    assert sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()) == [
+        "t_fn.yaml", "t_gen.yaml", "t_ll.yaml", "t_mc.yaml", "utils.py"]  # data files stay where they are
+    assert (copy / "t_fn.yaml").read_text() == (
+        f"# resolved copy of {src / 't_fn.yaml'}: relative data paths made absolute by lmforge\n"
+        f"task: t_fn\ndataset_path: json\ndataset_kwargs:\n  data_files:\n  - {src / 'data' / 'rows.jsonl'}\n"
+        "process_docs: !function 'utils.keep'\n")
+    (src / "t_fn.yaml").write_text("task: t_fn\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                   "    test: data/missing.jsonl\n")
+    with pytest.raises(DataError) as e:
+        ev.prepare_task_dirs([src], tmp_path / "work2")
+    assert str(e.value) == (f"{src / 't_fn.yaml'}: dataset_kwargs.data_files.test: 'data/missing.jsonl' does not "
+                            f"exist (looked for {src / 'data' / 'missing.jsonl'}). Fix the path; paths in a task YAML "
+                            "resolve against the YAML's folder")
