@@ -99,7 +99,8 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
             if sdef.wants_runtime:
                 runtime = StageRuntime(pipeline=plan.cfg.name, stage=name, kind=sp.kind, artifact_id=sp.artifact_id,
                                        store=store, checkpoint_uri=store.checkpoint_uri(sp.kind, sp.artifact_id),
-                                       tracking_uri=tr.uri if tr else None, mlflow_run_id=run_id)
+                                       tracking_uri=tr.uri if tr else None, mlflow_run_id=run_id,
+                                       root=plan.cfg.root)
                 run = functools.partial(sdef.run, runtime=runtime)
             else:
                 run = sdef.run

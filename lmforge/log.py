@@ -30,6 +30,8 @@ def setup_logging(level: int = logging.INFO) -> None:
             h.addFilter(RedactingFilter())
     for n in names:
         logging.getLogger(n).setLevel(level)
+    # bitsandbytes logs a missing optional CPU kernel at every import; the fallback works
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 class Progress:

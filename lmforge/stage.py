@@ -72,6 +72,7 @@ class StageRuntime:
     checkpoint_uri: str
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    root: Path = Path(".")  # project root: relative paths in settings resolve against it
 
 
 @dataclass(frozen=True)
