@@ -1,0 +1,126 @@
+"""sft: chat shards -> a fine-tuned model (full) or LoRA adapter (lora, qlora), with TRL's SFTTrainer.
+
+Inputs: one chat `shards` artifact, plus optionally a `tokenizer` artifact and/or a `model` artifact
+(an earlier stage's model to continue from; otherwise `base_model` says where the model comes from).
+The training runs in a child process (`trainer.launch`): checkpoints go to the stage's checkpoint URI as
+they are saved, so a rerun after a failure or SIGTERM resumes; metrics go to the stage's MLflow run.
+Before the child starts, the settings that need only the model's config are checked here (sequence
+length, LoRA target modules, bitsandbytes for qlora), so a bad config fails in seconds.
+
+Output: a `model` artifact: `config.json` + `model.safetensors` (full) or `adapter_config.json` +
+`adapter_model.safetensors` (lora, qlora), the tokenizer, and `lmforge_model.json` (how to reload it).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from lmforge.config import StageConfig
+from lmforge.errors import ConfigError
+from lmforge.shards import shard_urls
+from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.store import Artifact
+from trainer.settings import SftSettings
+
+log = logging.getLogger(__name__)
+
+
+class SftConfig(StageConfig, SftSettings):
+    kind: Literal["sft"] = Field(description="Supervised fine-tuning on chat shards (TRL SFTTrainer).")
+
+    #: how often to checkpoint and log, and how to launch, do not change the model: kept out of the id
+    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | SftSettings.RUN_ONLY
+
+    def trainer_settings(self) -> dict:
+        """Every training setting, including the orchestration ones the training process needs."""
+        return self.model_dump(mode="json", include=set(SftSettings.model_fields))
+
+
+class SftResult(Result):
+    method: str
+    base_model: str
+    format: str
+    train_records: int
+    train_rows: int
+    dropped_fully_masked: int
+    validation_records: int
+    steps: int
+    epochs: float
+    train_loss_first: float | None
+    train_loss_last: float | None
+    eval_loss: float | None
+    tokens: int
+    tokens_per_s: float
+    train_seconds: float
+    peak_memory_mb: float
+    trainable_parameters: int
+    quantized_linear_layers: int
+    resumed_from_step: int
+    checkpoints_uploaded: list[int]
+
+
+def _by_type(inputs: list[Artifact]) -> dict[str, list[Artifact]]:
+    out: dict[str, list[Artifact]] = {}
+    for a in inputs:
+        out.setdefault(a.manifest.get("output", {}).get("type", a.kind), []).append(a)
+    return out
+
+
+def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> SftResult:
+    from trainer import launch, models
+    from trainer.errors import SettingError
+    from trainer.job import ArtifactRef, JobSpec
+
+    settings = cfg.trainer_settings()
+    if cfg.base_model is not None and cfg.base_model.path is not None:  # the training process runs elsewhere
+        settings["base_model"]["path"] = str(Path(cfg.base_model.path).expanduser().resolve())
+    by_type = _by_type(inputs)
+    shards = by_type["shards"][0]
+    tokenizer = by_type.get("tokenizer", [None])[0]
+    model = by_type.get("model", [None])[0]
+    try:
+        with launch.work_dir(runtime.stage, runtime.artifact_id) as work:
+            spec = JobSpec(
+                method="sft", stage=runtime.stage, settings=settings,
+                train_urls=shard_urls(shards, "train"), validation_urls=shard_urls(shards, "validation"),
+                tokenizer=ArtifactRef.of(tokenizer) if tokenizer else None,
+                model=ArtifactRef.of(model) if model else None,
+                output_dir=str(out), work_dir=str(work), checkpoint_uri=runtime.checkpoint_uri,
+                tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id)
+            res = models.resolve(cfg.base_model, spec.model, work, verify=False)
+            info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
+            log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)
+            result = launch.run(spec, launcher=cfg.launcher, nproc_per_node=cfg.nproc_per_node)
+    except SettingError as e:
+        raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
+    return SftResult(**result)
+
+
+def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
+    shards = [p for p in inputs if p.type == "shards"]
+    if len(shards) != 1 or shards[0].data_kind != "chat":
+        got = ", ".join(p.describe() for p in shards) or "none"
+        raise ValueError(f"sft reads exactly one chat shards input (got {got})")
+    for i, p in enumerate(inputs):
+        if p.type not in ("shards", "tokenizer", "model"):
+            raise ValueError(f"input {i} is {p.describe()}; sft reads chat shards, a tokenizer and a model")
+    for t in ("tokenizer", "model"):
+        if sum(p.type == t for p in inputs) > 1:
+            raise ValueError(f"sft takes at most one {t} input")
+    has_model = any(p.type == "model" for p in inputs)
+    if cfg.base_model is None and not has_model:
+        raise ValueError("sft needs a base model: set base_model (config, path, package+file or hub) or add a "
+                         "model stage to inputs")
+    if cfg.base_model is not None and has_model:
+        raise ValueError("both base_model and a model input are given; keep one of them")
+    has_tokenizer = any(p.type == "tokenizer" for p in inputs)
+    if cfg.base_model is not None and cfg.base_model.config is not None and not has_tokenizer:
+        raise ValueError("a base_model built from config has no tokenizer; add a tokenizer stage to inputs")
+    return Port("model")
+
+
+STAGE = StageDef(kind="sft", version="1", config=SftConfig, run=run, output_port=output_port, wants_runtime=True,
+                 description="chat shards -> fine-tuned model or LoRA adapter (TRL SFTTrainer, full/lora/qlora)")

@@ -1,0 +1,214 @@
+"""Checkpoints in the store, so a failed or preempted stage resumes where it stopped.
+
+Layout under the stage's checkpoint URI (`{store}/{kind}/{artifact_id}/_checkpoints/`, local or s3):
+
+    checkpoint-<step>/   the transformers Trainer checkpoint folder: model or adapter, optimizer,
+                         scheduler, RNG states (one per rank), trainer_state.json (step, data position)
+    checkpoint-<step>/DONE   written last: {"step", "files": [{"path", "bytes", "sha256"}]}
+
+A checkpoint without DONE does not exist: a kill during the upload leaves a folder that the next
+upload or prune removes. `CheckpointCallback` asks the Trainer to save every N steps and/or M
+minutes, uploads each checkpoint as soon as it is saved (rank 0, after all ranks wrote their RNG
+state) and prunes the oldest beyond `keep`. On SIGTERM it saves, uploads and stops; the recipe then
+exits with `Preempted`. Before a run, the parent downloads the newest complete checkpoint
+(`restore_latest`) and the recipe passes it to `trainer.train(resume_from_checkpoint=...)`, which
+restores model, optimizer, scheduler, RNG and the position in the data.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from lmforge.store import filesystem, sha256_file
+
+log = logging.getLogger(__name__)
+
+DONE = "DONE"
+PREFIX = "checkpoint-"
+_STEP = re.compile(rf"^{PREFIX}(\d+)$")
+_stop_signal: list[int] = []  # set by the SIGTERM handler, read by the callback at the next step end
+
+
+def install_sigterm_handler() -> None:
+    """On SIGTERM (preemption, `kill`, Prefect cancel) finish the step, save, upload, then stop."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        if not _stop_signal:
+            log.warning("SIGTERM: saving a checkpoint at the end of this step, then stopping")
+        _stop_signal.append(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def stop_requested() -> bool:
+    return bool(_stop_signal)
+
+
+# ----------------------------------------------------------------------------------------------
+# the remote side
+
+
+def list_checkpoints(uri: str) -> list[tuple[int, str, bool]]:
+    """(step, path, complete) of every checkpoint folder under `uri`, oldest first."""
+    fs, root = filesystem(uri)
+    fs.invalidate_cache(root)  # s3fs caches listings: a pruned checkpoint would still be listed
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        m = _STEP.match(Path(str(e).rstrip("/")).name)
+        if m:
+            path = f"{root}/{m.group(0)}"
+            complete = fs.exists(f"{path}/{DONE}")
+            # some S3 servers (SeaweedFS) keep an emptied prefix as a folder, and `find` returns it itself
+            if complete or [f for f in fs.find(path) if f.rstrip("/") != path]:
+                out.append((int(m.group(1)), path, complete))
+    return sorted(out)
+
+
+def latest_complete(uri: str) -> tuple[int, str] | None:
+    done = [(step, path) for step, path, complete in list_checkpoints(uri) if complete]
+    return done[-1] if done else None
+
+
+def upload(local_dir: Path, uri: str, step: int) -> str:
+    """Copy a checkpoint folder to `uri/checkpoint-<step>/`, then write DONE listing every file."""
+    fs, root = filesystem(uri)
+    dest = f"{root}/{PREFIX}{step}"
+    if fs.exists(dest):  # a half-uploaded leftover of a killed run
+        fs.rm(dest, recursive=True)
+    files = []
+    t0 = time.monotonic()
+    for p in sorted(local_dir.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(local_dir).as_posix()
+            target = f"{dest}/{rel}"
+            fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(p), target)
+            files.append({"path": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
+    marker = json.dumps({"step": step, "files": files, "uploaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    fs.pipe_file(f"{dest}/{DONE}", marker.encode())
+    log.info("checkpoint %d uploaded: %d files, %.1f MB in %.1fs -> %s/%s%d", step, len(files),
+             sum(f["bytes"] for f in files) / 2**20, time.monotonic() - t0, uri, PREFIX, step)
+    return dest
+
+
+def prune(uri: str, keep: int) -> list[int]:
+    """Delete the oldest complete checkpoints beyond `keep`, and incomplete leftovers. Returns the steps removed."""
+    fs, _ = filesystem(uri)
+    entries = list_checkpoints(uri)
+    complete = [(s, p) for s, p, c in entries if c]
+    doomed = complete[:-keep] if keep > 0 else complete
+    doomed += [(s, p) for s, p, c in entries if not c]
+    for step, path in doomed:
+        if fs.exists(f"{path}/{DONE}"):
+            fs.rm(f"{path}/{DONE}")  # first: a half-deleted checkpoint must not look complete
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:  # already gone (an object store's prefix vanishes with its last object)
+            pass
+    return sorted(s for s, _ in doomed)
+
+
+def download(uri: str, step: int, dest: Path) -> Path:
+    """Fetch `checkpoint-<step>` into `dest/checkpoint-<step>`, checking every file against DONE."""
+    from lmforge.errors import ArtifactError
+
+    fs, root = filesystem(uri)
+    src = f"{root}/{PREFIX}{step}"
+    marker = json.loads(fs.cat_file(f"{src}/{DONE}"))
+    local = dest / f"{PREFIX}{step}"
+    shutil.rmtree(local, ignore_errors=True)
+    for f in marker["files"]:
+        target = local / f["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{src}/{f['path']}", str(target))
+        if target.stat().st_size != f["bytes"] or sha256_file(target) != f["sha256"]:
+            raise ArtifactError(f"{uri}/{PREFIX}{step}/{f['path']}: does not match its DONE listing; delete "
+                                f"{uri}/{PREFIX}{step} to resume from the checkpoint before it")
+    return local
+
+
+def restore_latest(uri: str, dest: Path) -> tuple[Path, int] | None:
+    """Download the newest complete checkpoint, or None when there is none."""
+    found = latest_complete(uri)
+    if found is None:
+        return None
+    step, _ = found
+    local = download(uri, step, dest)
+    log.info("resuming from checkpoint %d (%s/%s%d)", step, uri, PREFIX, step)
+    return local, step
+
+
+# ----------------------------------------------------------------------------------------------
+# the training side
+
+
+def _agree(flags: list[bool]) -> list[bool]:
+    """Any rank's flag set -> set on every rank (time- and signal-based decisions differ across ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flags
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([int(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class CheckpointCallback(TrainerCallback):
+    def __init__(self, uri: str, every_steps: int | None, every_minutes: float | None, keep: int):
+        self.uri, self.every_steps, self.every_minutes, self.keep = uri, every_steps, every_minutes, keep
+        self.last_save = time.monotonic()
+        self.stopped_by_signal = False
+        self.uploaded: list[int] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_save = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        by_steps = bool(self.every_steps) and state.global_step % self.every_steps == 0
+        by_time = bool(self.every_minutes) and time.monotonic() - self.last_save >= 60 * self.every_minutes
+        by_time, stop = _agree([by_time, stop_requested()])
+        if stop:
+            self.stopped_by_signal = True
+            control.should_training_stop = True
+        final = state.global_step >= state.max_steps  # the recipe writes the final model itself
+        if stop or ((by_steps or by_time) and not final):
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        _barrier()  # every rank has written its files (rng_state_<rank>.pth) before rank 0 uploads
+        if state.is_world_process_zero:
+            local = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
+            upload(local, self.uri, state.global_step)
+            self.uploaded.append(state.global_step)
+            removed = prune(self.uri, self.keep)
+            if removed:
+                log.info("pruned checkpoints %s (keeping the newest %d)", removed, self.keep)
+        self.last_save = time.monotonic()
+        _barrier()
+        return control
+
+
+def summary(callback: CheckpointCallback) -> dict[str, Any]:
+    return {"uploaded_steps": list(callback.uploaded), "stopped_by_signal": callback.stopped_by_signal}

@@ -1,0 +1,84 @@
+"""Entry point of the training process: `python -m trainer.entry <spec.json>` (under torchrun too).
+
+Reads the job spec, runs the method's recipe and writes `result.json` (rank 0) next to the spec, or
+`error-<rank>.json` with the error type, message and traceback. Exit status: 0 done, 1 failed,
+2 a setting does not fit the model or data, 3 stopped by SIGTERM after checkpointing.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from lmforge.tracking import RedactingFilter
+from trainer import checkpoint
+from trainer.errors import Preempted, SettingError
+from trainer.job import JobSpec, rank
+
+log = logging.getLogger("trainer.entry")
+
+RECIPES = {"sft": "trainer.sft"}  # method -> module with train(spec) -> dict
+
+
+def setup_logging() -> None:
+    """Plain lines on stderr (the parent adds timestamps); rank 0 logs INFO, other ranks warnings only."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RedactingFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    level = logging.INFO if rank() == 0 else logging.WARNING
+    for name in ("trainer", "lmforge"):
+        logging.getLogger(name).setLevel(level)
+    logging.captureWarnings(True)
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_warning()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec_path = Path(argv[0])
+    work = spec_path.parent
+    setup_logging()
+    checkpoint.install_sigterm_handler()
+    try:
+        spec = JobSpec.read(spec_path)
+        recipe = importlib.import_module(RECIPES[spec.method])
+        result = recipe.train(spec)
+        if rank() == 0:
+            _write(work / "result.json", result)
+        return 0
+    except SettingError as e:
+        _write(work / f"error-{rank()}.json", e.to_json())
+        log.error("%s", e)
+        return 2
+    except Preempted as e:
+        _write(work / f"error-{rank()}.json", {"type": "Preempted", "message": str(e)})
+        log.warning("%s", e)
+        return 3
+    except BaseException as e:  # noqa: BLE001  report everything, including KeyboardInterrupt
+        _write(work / f"error-{rank()}.json", {"type": type(e).__name__, "message": str(e),
+                                                "traceback": traceback.format_exc()})
+        log.error("training failed: %s: %s\n%s", type(e).__name__, e, traceback.format_exc())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

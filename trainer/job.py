@@ -1,0 +1,104 @@
+"""What the stage (parent process) hands to the training process (child): one JSON file.
+
+`JobSpec` carries the method, the stage's settings, the input shard URLs and artifact references, where
+to write the output, where checkpoints go and which MLflow run gets the metrics. Artifacts are passed
+by reference (store URL, kind, id) and read through their manifest in the child: `materialize` gives a
+local folder whose files were checked against the manifest's sizes and sha256.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from lmforge.store import Artifact, ArtifactStore
+
+log = logging.getLogger(__name__)
+
+
+class ArtifactRef(BaseModel):
+    """A finished artifact in a store, by address."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: str
+    kind: str
+    id: str
+
+    @classmethod
+    def of(cls, artifact: Artifact) -> "ArtifactRef":
+        return cls(store=artifact.store.url, kind=artifact.kind, id=artifact.id)
+
+    def open(self) -> Artifact:
+        return ArtifactStore(self.store).require(self.kind, self.id)
+
+    def describe(self) -> str:
+        return f"{self.kind} artifact {self.id}"
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    method: str  # sft | ... : which recipe in trainer/ runs
+    stage: str  # the pipeline's stage name, for logs and errors
+    settings: dict[str, Any]  # the stage config's settings(); the recipe validates them into its own model
+    train_urls: list[str]
+    validation_urls: list[str] = []
+    tokenizer: ArtifactRef | None = None
+    model: ArtifactRef | None = None
+    output_dir: str  # local folder the final artifact files go into (the stage's staging folder)
+    work_dir: str  # local scratch: local checkpoints, downloaded inputs, spec and result files
+    checkpoint_uri: str  # fsspec URL; each checkpoint is uploaded here as soon as it is saved
+    resume_from: str | None = None  # local copy of the newest complete checkpoint, downloaded by the parent
+    resume_step: int | None = None
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2))
+
+    @classmethod
+    def read(cls, path: Path) -> "JobSpec":
+        return cls.model_validate_json(path.read_text())
+
+
+def materialize(ref: ArtifactRef, work_dir: Path, verify: bool = True) -> Path:
+    """A local folder with the artifact's files, each checked against the manifest (size and sha256).
+
+    A local store is read in place (`verify=False` skips reading every file, for config-only checks);
+    an object store is downloaded once into `work_dir/inputs/`, verified while it streams.
+    """
+    art = ref.open()
+    if art.store.local:
+        if verify:
+            art.verify()
+        return Path(art.path)
+    dest = work_dir / "inputs" / f"{ref.kind}-{ref.id}"
+    if (dest / ".complete").exists():
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
+    for rel in art.files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with art.open(rel) as src, open(target, "wb") as f:  # the reader verifies at EOF
+            shutil.copyfileobj(src, f, 1 << 20)
+    (dest / ".complete").touch()
+    log.info("downloaded %s (%d files) to %s", art.uri, len(art.files), dest)
+    return dest
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,113 @@
+"""Training metrics: to the stage's MLflow run, to the log as a progress line, and into the result.
+
+Runs in the training process, on rank 0 only. MLflow is reached by run id through `MlflowClient`
+(never the fluent active-run API), at the tracking URI the stage passed down, so the metrics land on
+the stage's own child run. Names are stable: `train/loss`, `train/learning_rate`, `train/grad_norm`,
+`train/tokens_per_s`, `train/step_time_s`, `train/peak_memory_mb`, `eval/loss`; the step is the
+optimizer step.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+LOG_KEYS = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_norm": "train/grad_norm",
+            "eval_loss": "eval/loss", "mean_token_accuracy": "train/mean_token_accuracy"}
+
+
+def peak_memory_mb() -> float:
+    """Peak GPU memory allocated by torch on a GPU run, else the process's peak resident set size."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class MetricsCallback(TrainerCallback):
+    def __init__(self, tracking_uri: str | None, run_id: str | None, progress_every_s: float = 10.0):
+        self.tracking_uri, self.run_id = tracking_uri, run_id
+        self.progress_every_s = progress_every_s
+        self.client = None
+        self.losses: list[tuple[int, float]] = []
+        self.eval_loss: float | None = None
+        self._step_started = 0.0
+        self._step_times: list[float] = []
+        self._window_t = self._window_tokens = 0.0
+        self._last_progress = 0.0
+        self.train_seconds = 0.0
+        self.tokens_begin = self.tokens_end = 0
+        self.start_step = 0
+
+    # ---- timing
+    def on_train_begin(self, args, state, control, **kwargs):
+        now = time.monotonic()
+        self._t0 = self._window_t = self._last_progress = now
+        self.tokens_begin = self.tokens_end = state.num_input_tokens_seen
+        self._window_tokens = float(state.num_input_tokens_seen)
+        self.start_step = state.global_step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._step_times.append(time.perf_counter() - self._step_started)
+        self.tokens_end = state.num_input_tokens_seen
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_seconds = time.monotonic() - self._t0
+        self.tokens_end = state.num_input_tokens_seen
+
+    # ---- logging
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        metrics = {LOG_KEYS[k]: float(v) for k, v in logs.items() if k in LOG_KEYS and v is not None}
+        if "train/loss" in metrics:
+            self.losses.append((state.global_step, metrics["train/loss"]))
+            now = time.monotonic()
+            tokens = state.num_input_tokens_seen
+            if now > self._window_t:
+                metrics["train/tokens_per_s"] = (tokens - self._window_tokens) / (now - self._window_t)
+            if self._step_times:
+                metrics["train/step_time_s"] = sum(self._step_times) / len(self._step_times)
+            self._window_t, self._window_tokens, self._step_times = now, float(tokens), []
+            metrics["train/peak_memory_mb"] = peak_memory_mb()
+            self._progress(state, metrics, now)
+        if "eval/loss" in metrics:
+            self.eval_loss = metrics["eval/loss"]
+        if metrics:
+            self._send(metrics, state.global_step)
+
+    def _progress(self, state, m: dict[str, float], now: float) -> None:
+        if now - self._last_progress < self.progress_every_s and state.global_step < state.max_steps:
+            return
+        self._last_progress = now
+        done = state.global_step - self.start_step
+        rate = done / max(now - self._t0, 1e-9)
+        eta = (state.max_steps - state.global_step) / rate if rate > 0 else float("inf")
+        log.info("step %d/%d (%.0f%%): loss %.4f, lr %.2e, %.0f tokens/s, %.3f s/step, peak %.0f MB, ETA %.0fs",
+                 state.global_step, state.max_steps, 100 * state.global_step / max(state.max_steps, 1),
+                 m["train/loss"], m.get("train/learning_rate", float("nan")), m.get("train/tokens_per_s", 0.0),
+                 m.get("train/step_time_s", 0.0), m["train/peak_memory_mb"], eta)
+
+    def _send(self, metrics: dict[str, float], step: int) -> None:
+        if not (self.tracking_uri and self.run_id):
+            return
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        if self.client is None:
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        ts = int(time.time() * 1000)
+        try:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v in sorted(metrics.items())],
+                                  synchronous=True)
+        except Exception as e:  # a tracking hiccup must not kill hours of training
+            log.warning("could not log metrics to MLflow run %s: %s", self.run_id, str(e).splitlines()[0])

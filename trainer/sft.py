@@ -1,0 +1,127 @@
+"""SFT recipe: chat shards -> a fine-tuned model or LoRA adapter, with TRL's SFTTrainer.
+
+Runs in the training process (`trainer.entry`), top to bottom:
+tokenizer -> model (full / LoRA / QLoRA) -> data -> chat template for assistant-only loss -> SFTConfig
+-> trainer with checkpoint and metrics callbacks -> train (resuming when a checkpoint was restored)
+-> evaluate -> save -> result. The settings are the `sft` stage's config (tasks/sft.py subclasses
+`SftSettings`); they cross the process boundary as JSON.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from trainer import chat_templates, checkpoint, data, models
+from trainer.errors import Preempted
+from trainer.job import JobSpec, materialize, rank, world_size
+from trainer.metrics import MetricsCallback, peak_memory_mb
+from trainer.settings import SftSettings
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = {"adamw_torch": "adamw_torch", "lion": "lion_32bit", "adafactor": "adafactor"}
+
+
+def train(spec: JobSpec) -> dict[str, Any]:
+    import torch
+    from transformers import PrinterCallback
+    from trl import SFTConfig, SFTTrainer
+
+    s = SftSettings.model_validate(spec.settings)
+    work, out = Path(spec.work_dir), Path(spec.output_dir)
+
+    # 1. tokenizer
+    res = models.resolve(s.base_model, spec.model, work)
+    tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
+    tokenizer = models.load_tokenizer(res, tokenizer_dir)
+    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+
+    # 2. data, and a chat template that marks assistant turns for assistant-only loss
+    train_ds = data.chat_dataset(spec.train_urls, f"stage {spec.stage} train split", s.max_train_records)
+    eval_ds = data.chat_dataset(spec.validation_urls, f"stage {spec.stage} validation split") if s.evaluate else None
+    if s.assistant_only_loss:
+        marked = chat_templates.training_template(tokenizer, train_ds[:20]["messages"])
+        if marked is not None:
+            tokenizer.chat_template = marked  # renders the same text; saved with the model
+
+    # 3. model: full, or LoRA adapters on a full-precision (lora) or 4-bit NF4 (qlora) base
+    model, _ = models.load_for_training(res, tokenizer, method=s.method, lora=s.lora, seed=s.seed, work_dir=work,
+                                        dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
+
+    # 4. trainer
+    on_gpu = torch.cuda.is_available()
+    args = SFTConfig(
+        output_dir=str(work / "checkpoints"), seed=s.seed, data_seed=s.seed,
+        use_cpu=not on_gpu, bf16=s.bf16 and on_gpu, fp16=False,
+        activation_checkpointing=s.gradient_checkpointing,  # transformers 5 name; TRL 1.12 defaults it on
+        max_steps=s.max_steps or -1, num_train_epochs=s.epochs,
+        per_device_train_batch_size=s.batch_size_per_device, per_device_eval_batch_size=s.batch_size_per_device,
+        gradient_accumulation_steps=s.grad_accumulation_steps,
+        learning_rate=s.learning_rate, lr_scheduler_type=s.lr_scheduler, warmup_steps=s.warmup_steps,
+        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, optim=OPTIMIZERS[s.optimizer],
+        max_length=s.max_length_tokens, packing=s.packing, packing_strategy=s.packing_strategy,
+        assistant_only_loss=s.assistant_only_loss,
+        save_strategy="no", save_total_limit=1,  # CheckpointCallback decides when; one local copy is enough
+        eval_strategy="no", logging_steps=s.logging_steps, logging_first_step=True,
+        report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
+        ddp_backend=None if on_gpu or world_size() == 1 else "gloo", ddp_find_unused_parameters=False,
+    )
+    ckpt = checkpoint.CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
+                                         s.keep_checkpoints)
+    metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                         processing_class=tokenizer, callbacks=[ckpt, metrics])
+    trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
+    dropped = 0 if s.packing else len(train_ds) - len(trainer.train_dataset)
+    if dropped:  # TRL drops them silently: truncation to max_length_tokens left no assistant token to learn from
+        log.warning("%d of %d conversations have no assistant token within max_length_tokens %d and are skipped",
+                    dropped, len(train_ds), s.max_length_tokens)
+    if checkpoint.stop_requested():
+        raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
+
+    # 5. train
+    if spec.resume_from:
+        log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
+    trainer.train(resume_from_checkpoint=spec.resume_from)
+    state = trainer.state
+    if ckpt.stopped_by_signal:
+        raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
+                        f"{state.global_step} is in {spec.checkpoint_uri}; rerun the stage to resume from it")
+    eval_loss = trainer.evaluate()["eval_loss"] if eval_ds is not None else None
+
+    # 6. save: the model (or adapter) and tokenizer, as safetensors
+    trainer.save_model(str(out))
+    if rank() == 0:
+        (out / "training_args.bin").unlink(missing_ok=True)  # a pickle; the settings are in the manifest
+        info = models.write_model_info(out, method=s.method, base=res, base_ref=spec.model, tokenizer=tokenizer,
+                                       seed=s.seed, dtype=s.dtype)
+    else:
+        info = {}
+
+    # 7. result
+    losses = [h["loss"] for h in state.log_history if "loss" in h]  # includes steps before a resume
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    quantized = models.count_4bit_layers(model) if s.method == "qlora" else 0
+    return {
+        "method": s.method,
+        "base_model": res.describe,
+        "format": info.get("format", ""),
+        "train_records": len(train_ds),
+        "train_rows": len(trainer.train_dataset),  # after tokenizing, dropping and packing
+        "dropped_fully_masked": dropped,
+        "validation_records": len(eval_ds) if eval_ds is not None else 0,
+        "steps": state.global_step,
+        "epochs": round(float(state.epoch or 0), 4),
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "eval_loss": eval_loss,
+        "tokens": int(state.num_input_tokens_seen),  # non-padding tokens fed to the model, all ranks
+        "tokens_per_s": round((metrics.tokens_end - metrics.tokens_begin) / max(metrics.train_seconds, 1e-9), 1),
+        "train_seconds": round(metrics.train_seconds, 2),
+        "peak_memory_mb": round(peak_memory_mb(), 1),
+        "trainable_parameters": trainable,
+        "quantized_linear_layers": quantized,
+        "resumed_from_step": spec.resume_step or 0,
+        "checkpoints_uploaded": ckpt.uploaded,
+    }
