@@ -20,7 +20,7 @@ from lmforge.config import parse_config
 from lmforge.errors import ConfigError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
+from tests.conftest import REPO, write_jsonl
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
@@ -593,7 +593,7 @@ def test_a_failing_training_process_becomes_a_clear_error(tmp_path):
     msg = str(e.value)
     assert msg.startswith("stage broken: the training process failed (exit status 1): ValidationError: 1 validation "
                           "error for SftSettings\nlearning_rate\n  Input should be greater than 0")
-    assert "  last log lines of the training process:\n" in msg and 'File "/work/main/trainer/sft.py"' in msg
+    assert "  last log lines of the training process:\n" in msg and f'File "{REPO / "trainer" / "sft.py"}"' in msg
     assert json.loads((tmp_path / "error-0.json").read_text())["type"] == "ValidationError"
 
 
