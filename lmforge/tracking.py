@@ -24,8 +24,18 @@ MAX_PARAM = 6000
 REDACTED = "***"
 
 
+def _environ() -> dict[str, str]:
+    """A snapshot of os.environ; another thread (MLflow's telemetry) may delete a key while we iterate."""
+    for _ in range(100):
+        try:
+            return dict(os.environ)
+        except (KeyError, RuntimeError):  # a key deleted mid-copy, or the mapping changed size: copy again
+            continue
+    return dict(os.environ)
+
+
 def _secret_values() -> list[str]:
-    return sorted((v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 6),
+    return sorted((v for k, v in _environ().items() if SECRET_NAME.search(k) and len(v) >= 6),
                   key=len, reverse=True)
 
 
@@ -126,7 +136,9 @@ class Tracker:
             from mlflow.entities import Metric
 
             ts = int(time.time() * 1000)
-            items = [Metric(k, float(v), ts, step) for k, v in sorted(metrics.items())]
+            # MLflow accepts only [A-Za-z0-9_-. :/] in names: e.g. special_tokens/<|im_end|> -> special_tokens/_im_end_
+            items = [Metric(re.sub(r"[^A-Za-z0-9_\-. :/]", "_", k), float(v), ts, step)
+                     for k, v in sorted(metrics.items())]
             for i in range(0, len(items), 500):
                 self.client.log_batch(run_id, metrics=items[i:i + 500], synchronous=True)
 
