@@ -21,7 +21,8 @@ from trainer.job import JobSpec, rank
 
 log = logging.getLogger("trainer.entry")
 
-RECIPES = {"sft": "trainer.sft"}  # method -> module with train(spec) -> dict
+# method -> module with train(spec) -> dict
+RECIPES = {"sft": "trainer.sft", "reward": "trainer.reward", "dpo": "trainer.dpo"}
 
 
 def setup_logging() -> None:

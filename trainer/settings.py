@@ -70,3 +70,20 @@ class SftSettings(TrainSettings):
                           "padding; attention stays within each conversation).")
     packing_strategy: Literal["bfd", "wrapped"] = Field(
         "bfd", description="bfd: best-fit decreasing, whole conversations; wrapped: cut across conversations.")
+
+
+class RewardSettings(TrainSettings):
+    """Every setting of a reward stage but kind and inputs."""
+
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="Weight of a penalty on the mean reward squared, keeping rewards centered at zero "
+        "(TRL center_rewards_coefficient; 0.01 is the usual value); null: no penalty.")
+
+
+class DpoSettings(TrainSettings):
+    """Every setting of a dpo stage but kind and inputs."""
+
+    beta: float = Field(0.1, gt=0, description="DPO beta: how far the policy may move from the reference model; "
+                        "higher keeps it closer.")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
+        "sigmoid", description="DPO loss: sigmoid (the DPO paper), ipo, hinge or robust.")

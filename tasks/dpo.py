@@ -1,0 +1,82 @@
+"""dpo: an SFT model + preference shards -> a preference-tuned model or LoRA adapter, with TRL's DPOTrainer.
+
+Inputs: one preference `shards` artifact ({prompt, chosen, rejected} records) and one `model` artifact
+(the sft stage's model: the policy starts from it and it is the reference), plus optionally a `tokenizer`
+artifact (by default the model artifact's own). With lora the reference is the same model with the
+adapter disabled; with full it is a frozen copy. Pairs with chosen == rejected are skipped and counted
+(`skipped_identical_pairs`); pairs whose prompt alone reaches `max_length_tokens`, which DPOTrainer drops
+silently, are counted too (`dropped_prompt_too_long`). Training runs in a child process with checkpoints
+in the store (a rerun resumes) and metrics on the stage's MLflow run (`train/loss`, `train/reward_accuracy`,
+`train/margin`, `eval/reward_accuracy`, `eval/margin`, ...).
+
+Output: a `model` artifact like sft's: a full model or an adapter on top of the input model artifact, the
+tokenizer and `lmforge_model.json` (`trained_with: dpo`); `trainer.models.load_trained` reloads it.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from lmforge.config import StageConfig
+from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.store import Artifact
+from tasks.reward import check_inputs, launch_training
+from trainer.settings import DpoSettings
+
+log = logging.getLogger(__name__)
+
+
+class DpoStageConfig(StageConfig, DpoSettings):
+    kind: Literal["dpo"] = Field(description="Direct preference optimization of an SFT model (TRL DPOTrainer).")
+
+    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | DpoSettings.RUN_ONLY
+
+    def trainer_settings(self) -> dict:
+        return self.model_dump(mode="json", include=set(DpoSettings.model_fields))
+
+
+class DpoResult(Result):
+    method: str
+    base_model: str
+    format: str
+    reference: str
+    train_records: int
+    validation_records: int
+    skipped_identical_pairs: int
+    dropped_prompt_too_long: int
+    train_pairs: int
+    validation_pairs: int
+    steps: int
+    epochs: float
+    train_loss_first: float | None
+    train_loss_last: float | None
+    train_reward_accuracy_last: float | None
+    train_margin_last: float | None
+    eval_loss: float | None
+    eval_reward_accuracy: float | None
+    eval_margin: float | None
+    train_seconds: float
+    peak_memory_mb: float
+    trainable_parameters: int
+    resumed_from_step: int
+    checkpoints_uploaded: list[int]
+
+
+def run(cfg: DpoStageConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> DpoResult:
+    return DpoResult(**launch_training("dpo", cfg, DpoSettings, inputs, out, runtime))
+
+
+def output_port(cfg: DpoStageConfig, inputs: list[Port]) -> Port:
+    check_inputs("dpo", inputs)
+    if cfg.base_model is not None:
+        raise ValueError("dpo starts from the model it is given in inputs (an sft stage); remove base_model")
+    if not any(p.type == "model" for p in inputs):
+        raise ValueError("dpo needs a model to start from: add an sft stage to inputs")
+    return Port("model")
+
+
+STAGE = StageDef(kind="dpo", version="1", config=DpoStageConfig, run=run, output_port=output_port, wants_runtime=True,
+                 description="SFT model + preference shards -> DPO-tuned model or LoRA adapter (TRL DPOTrainer)")

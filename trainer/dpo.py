@@ -1,0 +1,163 @@
+"""DPO recipe: an SFT model + preference shards -> a preference-tuned model or LoRA adapter, with TRL's DPOTrainer.
+
+Runs in the training process (`trainer.entry`), top to bottom:
+tokenizer -> preference pairs (identical pairs skipped and counted) -> policy and reference model ->
+DPOConfig -> trainer with checkpoint and metrics callbacks -> train (resuming when a checkpoint was
+restored) -> held-out reward accuracy and margins -> save -> result.
+
+The reference model is the SFT model the run starts from:
+- lora: the policy is the SFT model plus a new adapter (TRL applies `peft_config`); the reference is the
+  same model with the adapter disabled, so no second copy is held;
+- full: an explicit frozen copy (`ref_model`), eval mode, no gradients;
+- qlora: the 4-bit base with its adapter comes in as a PeftModel; TRL then keeps a frozen copy of the
+  fresh (zero-update) adapter as "ref", which equals the base model.
+
+Trap: DPOTrainer silently drops pairs whose prompt alone reaches `max_length` (its `keep_start` truncation
+would leave no completion token). They are counted (`dropped_prompt_too_long`) and logged.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from trainer import checkpoint, models
+from trainer.errors import Preempted, SettingError
+from trainer.job import JobSpec, materialize, rank
+from trainer.metrics import peak_memory_mb
+from trainer.reward import AlignMetricsCallback, common_args, last_logged, preference_dataset, require_pairs
+from trainer.settings import DpoSettings
+
+log = logging.getLogger(__name__)
+
+#: DPOTrainer's log keys -> MLflow metric names (train/loss, eval/loss come from MetricsCallback)
+DPO_LOG_KEYS = {
+    "rewards/accuracies": "train/reward_accuracy", "rewards/margins": "train/margin",
+    "rewards/chosen": "train/reward_chosen", "rewards/rejected": "train/reward_rejected",
+    "logps/chosen": "train/logp_chosen", "logps/rejected": "train/logp_rejected",
+    "eval_rewards/accuracies": "eval/reward_accuracy", "eval_rewards/margins": "eval/margin",
+    "eval_rewards/chosen": "eval/reward_chosen", "eval_rewards/rejected": "eval/reward_rejected",
+}
+
+
+REFERENCE = {"full": "frozen copy", "lora": "adapter disabled", "qlora": "frozen copy of the initial adapter"}
+
+
+def train(spec: JobSpec) -> dict[str, Any]:
+    from transformers import PrinterCallback
+    from trl import DPOConfig, DPOTrainer
+
+    s = DpoSettings.model_validate(spec.settings)
+    work, out = Path(spec.work_dir), Path(spec.output_dir)
+    if spec.model is None:
+        raise SettingError("inputs", "dpo starts from a model: add an sft stage's output to this stage's inputs")
+
+    # 1. tokenizer (a model artifact keeps its tokenizer, chat template included)
+    res = models.resolve(s.base_model, spec.model, work)
+    tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
+    tokenizer = models.load_tokenizer(res, tokenizer_dir)
+    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+    conversational = bool(tokenizer.chat_template)
+
+    # 2. data: identical pairs skipped here, prompts that fill max_length dropped by the trainer (counted below)
+    train_pairs = preference_dataset(spec.train_urls, f"stage {spec.stage} train split", conversational,
+                                     s.max_train_records)
+    eval_pairs = (preference_dataset(spec.validation_urls, f"stage {spec.stage} validation split", conversational)
+                  if s.evaluate and spec.validation_urls else None)
+    require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
+                  f"stage {spec.stage}", "other")
+
+    # 3. policy and reference
+    ref_model, peft_config = None, None
+    if s.method == "qlora":
+        model, _ = models.load_for_training(res, tokenizer, method="qlora", lora=s.lora, seed=s.seed, work_dir=work,
+                                            dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
+    else:
+        model, _ = models.load_for_training(res, tokenizer, method="full", lora=s.lora, seed=s.seed, work_dir=work,
+                                            dtype=s.dtype)
+        if s.method == "lora":
+            from peft import LoraConfig
+
+            models.check_lora_targets(model, s.lora.target_modules, res.describe)
+            peft_config = LoraConfig(r=s.lora.rank, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
+                                     target_modules=s.lora.target_modules, bias="none", task_type="CAUSAL_LM")
+        else:
+            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    # 4. trainer
+    args = DPOConfig(**common_args(s, work), beta=s.beta, loss_type=[s.loss_type], truncation_mode="keep_start",
+                     precompute_ref_log_probs=False)
+    ckpt = checkpoint.CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
+                                         s.keep_checkpoints)
+    metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, DPO_LOG_KEYS)
+    eval_ds = eval_pairs.dataset if eval_pairs is not None else None
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train_pairs.dataset,
+                         eval_dataset=eval_ds, processing_class=tokenizer, peft_config=peft_config,
+                         callbacks=[ckpt, metrics])
+    trainer.remove_callback(PrinterCallback)
+    # TRL drops them silently: the prompt alone reaches max_length_tokens, no completion token would be left
+    dropped_train = len(train_pairs.dataset) - len(trainer.train_dataset)
+    dropped_eval = len(eval_ds) - len(trainer.eval_dataset) if eval_ds is not None else 0
+    if dropped_train or dropped_eval:
+        log.warning("%d train and %d validation pairs have a prompt of max_length_tokens %d or more and are skipped",
+                    dropped_train, dropped_eval, s.max_length_tokens)
+    require_pairs(train_pairs, len(trainer.train_dataset), f"stage {spec.stage}",
+                  f"with a prompt of max_length_tokens {s.max_length_tokens} or more")
+    if eval_ds is not None and len(trainer.eval_dataset) == 0:
+        trainer.eval_dataset = None
+    if checkpoint.stop_requested():
+        raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
+
+    # 5. train
+    if spec.resume_from:
+        log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
+    trainer.train(resume_from_checkpoint=spec.resume_from)
+    state = trainer.state
+    if ckpt.stopped_by_signal:
+        raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
+                        f"{state.global_step} is in {spec.checkpoint_uri}; rerun the stage to resume from it")
+    ev = trainer.evaluate() if trainer.eval_dataset is not None else {}
+
+    # 6. save: the model (full) or adapter (lora, qlora, on top of the input model artifact) and tokenizer
+    trainer.save_model(str(out))
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    if rank() == 0:
+        (out / "training_args.bin").unlink(missing_ok=True)  # a pickle; the settings are in the manifest
+        info = models.write_model_info(out, method=s.method, base=res, base_ref=spec.model, tokenizer=tokenizer,
+                                       seed=s.seed, dtype=s.dtype)
+        info["trained_with"] = "dpo"
+        (out / models.MODEL_INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
+    else:
+        info = {}
+
+    # 7. result
+    history = state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    return {
+        "method": s.method,
+        "base_model": res.describe,
+        "format": info.get("format", ""),
+        "reference": REFERENCE[s.method],
+        "train_records": train_pairs.records,
+        "validation_records": eval_pairs.records if eval_pairs is not None else 0,
+        "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs is not None else 0),
+        "dropped_prompt_too_long": dropped_train + dropped_eval,
+        "train_pairs": len(trainer.train_dataset),
+        "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
+        "steps": state.global_step,
+        "epochs": round(float(state.epoch or 0), 4),
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "train_reward_accuracy_last": last_logged(history, "rewards/accuracies"),
+        "train_margin_last": last_logged(history, "rewards/margins"),
+        "eval_loss": ev.get("eval_loss"),
+        "eval_reward_accuracy": ev.get("eval_rewards/accuracies"),
+        "eval_margin": ev.get("eval_rewards/margins"),
+        "train_seconds": round(metrics.train_seconds, 2),
+        "peak_memory_mb": round(peak_memory_mb(), 1),
+        "trainable_parameters": trainable,
+        "resumed_from_step": spec.resume_step or 0,
+        "checkpoints_uploaded": ckpt.uploaded,
+    }

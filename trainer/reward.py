@@ -1,0 +1,323 @@
+"""Reward recipe: preference shards -> a sequence-classification reward model, with TRL's RewardTrainer.
+
+Runs in the training process (`trainer.entry`), top to bottom:
+tokenizer -> preference pairs (identical pairs skipped and counted) -> model (AutoModelForSequenceClassification,
+num_labels=1, full or LoRA) -> RewardConfig -> trainer with checkpoint and metrics callbacks -> train (resuming
+when a checkpoint was restored) -> held-out pairwise accuracy and margin -> save -> result.
+
+The reward model is always saved as a full model (a LoRA run is merged first): `config.json` (a
+`...ForSequenceClassification` architecture), `model.safetensors`, the tokenizer and `lmforge_model.json`
+with `"kind": "reward_model"`. `load_reward_model` reloads it.
+
+Traps handled here: RewardTrainer silently drops pairs whose prompt + chosen or prompt + rejected is longer
+than `max_length` (counted: `dropped_too_long`); TRL configs default to gradient checkpointing and bf16.
+The preference helpers (`preference_dataset`, `AlignMetricsCallback`) are shared with `trainer.dpo`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import DataError
+from trainer import checkpoint, data, models
+from trainer.errors import Preempted, SettingError
+from trainer.job import JobSpec, materialize, rank, world_size
+from trainer.metrics import MetricsCallback, peak_memory_mb
+from trainer.settings import RewardSettings
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = {"adamw_torch": "adamw_torch", "lion": "lion_32bit", "adafactor": "adafactor"}
+REWARD_MODEL_KIND = "reward_model"
+
+#: RewardTrainer's log keys -> MLflow metric names (train/loss, eval/loss come from MetricsCallback)
+#: eval/reward_accuracy and eval/margin are computed exactly by `heldout_pairwise` (TRL averages per-batch means)
+REWARD_LOG_KEYS = {"accuracy": "train/reward_accuracy", "margin": "train/margin", "mean_reward": "train/mean_reward",
+                   "eval_mean_reward": "eval/mean_reward"}
+
+
+# ----------------------------------------------------------------------------------------------
+# shared with trainer.dpo
+
+
+@dataclass
+class Pairs:
+    """The usable preference pairs of one split, and how many were skipped."""
+
+    dataset: Any  # datasets.Dataset with prompt, chosen, rejected (conversational or plain text), or None
+    records: int  # records read from the shards
+    identical: int  # chosen == rejected: no preference to learn, skipped
+
+
+def preference_dataset(urls: list[str], where: str, conversational: bool, max_records: int | None = None) -> Pairs:
+    """Preference records {prompt, chosen, rejected} -> a TRL preference dataset, without identical pairs.
+
+    conversational: prompt becomes a user turn and chosen/rejected assistant turns, rendered by the
+    tokenizer's chat template (as in SFT); otherwise plain text, prompt + completion.
+    """
+    import datasets
+
+    rows, records, identical = [], 0, 0
+    for rec in data.iter_records(urls):
+        if max_records is not None and records >= max_records:
+            break
+        missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(rec.get(k), str)]
+        if missing:
+            raise DataError(where, f"record {rec.get('id', '?')} has no string {', '.join(missing)} "
+                            f"(fields: {', '.join(sorted(rec))})", "feed this stage shards of preference records")
+        records += 1
+        if rec["chosen"] == rec["rejected"]:
+            identical += 1
+            continue
+        if conversational:
+            rows.append({"prompt": [{"role": "user", "content": rec["prompt"]}],
+                         "chosen": [{"role": "assistant", "content": rec["chosen"]}],
+                         "rejected": [{"role": "assistant", "content": rec["rejected"]}]})
+        else:
+            rows.append({"prompt": rec["prompt"], "chosen": rec["chosen"], "rejected": rec["rejected"]})
+    if urls and not records:
+        raise DataError(where, "the shards hold no records", "check the upstream stages' drop counts")
+    if identical:
+        log.warning("%s: %d of %d pairs have chosen == rejected (nothing to prefer) and are skipped", where,
+                    identical, records)
+    log.info("%s: %d preference pairs from %d shard(s)", where, len(rows), len(urls))
+    return Pairs(datasets.Dataset.from_list(rows) if rows else None, records, identical)
+
+
+def require_pairs(pairs: Pairs, kept: int, where: str, why: str) -> None:
+    if kept == 0:
+        raise DataError(where, f"no preference pair is left to train on: {pairs.records} read, {pairs.identical} "
+                        f"with chosen == rejected, {pairs.records - pairs.identical} {why}",
+                        "raise max_length_tokens or check the data")
+
+
+class AlignMetricsCallback(MetricsCallback):
+    """MetricsCallback plus the method's own metrics (reward accuracy, margins) under stable names."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None, keys: dict[str, str]):
+        super().__init__(tracking_uri, run_id)
+        self.keys = keys
+
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
+        super().on_log(args, state, control, logs=logs, **kwargs)
+        if not state.is_world_process_zero or not logs:
+            return
+        extra = {self.keys[k]: float(v) for k, v in logs.items() if k in self.keys and v is not None}
+        if extra:
+            self._send(extra, state.global_step)
+
+
+def last_logged(history: list[dict[str, Any]], key: str) -> float | None:
+    values = [h[key] for h in history if key in h]
+    return float(values[-1]) if values else None
+
+
+def common_args(s, work: Path) -> dict[str, Any]:
+    """TrainingArguments every alignment recipe shares (CPU-safe: no bf16, no activation checkpointing)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    return dict(
+        output_dir=str(work / "checkpoints"), seed=s.seed, data_seed=s.seed,
+        use_cpu=not on_gpu, bf16=s.bf16 and on_gpu, fp16=False,
+        activation_checkpointing=s.gradient_checkpointing,  # transformers 5 name; TRL 1.12 defaults it on
+        max_steps=s.max_steps or -1, num_train_epochs=s.epochs,
+        per_device_train_batch_size=s.batch_size_per_device, per_device_eval_batch_size=s.batch_size_per_device,
+        gradient_accumulation_steps=s.grad_accumulation_steps,
+        learning_rate=s.learning_rate, lr_scheduler_type=s.lr_scheduler, warmup_steps=s.warmup_steps,
+        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, optim=OPTIMIZERS[s.optimizer],
+        max_length=s.max_length_tokens,
+        save_strategy="no", save_total_limit=1,  # CheckpointCallback decides when; one local copy is enough
+        eval_strategy="no", logging_steps=s.logging_steps, logging_first_step=True,
+        report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
+        ddp_backend=None if on_gpu or world_size() == 1 else "gloo", ddp_find_unused_parameters=False,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the reward model
+
+
+def load_for_reward_training(res: models.Resolved, tokenizer, s: RewardSettings, work: Path):
+    """A sequence-classification model with one output (the reward) on the base model's backbone."""
+    from transformers import AutoModelForSequenceClassification, set_seed
+
+    dtype = models._dtype(s.dtype)
+    set_seed(s.seed)  # the score head is initialized at random
+    if res.kind == "config":
+        config = models.load_config(res)
+        if "vocab_size" not in res.config:
+            config.vocab_size = len(tokenizer)
+        for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if k not in res.config:
+                setattr(config, k, getattr(tokenizer, k))
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    else:
+        if res.kind in ("path", "hub", "artifact"):
+            name, kwargs = res.pretrained_args()
+        else:  # an adapter (merged into its base) or a GGUF file (dequantized): a plain copy first
+            plain = work / "base-plain"
+            models.load_plain(res, tokenizer, seed=s.seed, dtype=s.dtype).save_pretrained(plain)
+            name, kwargs = str(plain), {}
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, dtype=dtype, **kwargs)
+        except (OSError, ValueError) as e:
+            raise SettingError(res.field, f"cannot load {res.describe} as a sequence-classification model: "
+                               f"{str(e).splitlines()[0]}") from None
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id  # the reward is read at the last non-pad token
+    if s.method == "full":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    models.check_lora_targets(model, s.lora.target_modules, res.describe)
+    # task_type SEQ_CLS: peft trains the whole new score head (modules_to_save) next to the adapters
+    config = LoraConfig(r=s.lora.rank, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
+                        target_modules=s.lora.target_modules, bias="none", task_type="SEQ_CLS")
+    return get_peft_model(model, config)
+
+
+def heldout_pairwise(trainer) -> tuple[float, float, int]:
+    """(accuracy, mean margin, pairs) of the reward model on the prepared validation pairs, over every pair.
+
+    RewardTrainer.evaluate reports the mean of per-batch means, which is off when the last batch is short.
+    """
+    import torch
+
+    model = trainer.model
+    model.eval()
+    wins, margins = [], []
+    for batch in trainer.get_eval_dataloader():
+        batch = trainer._prepare_inputs(batch)
+        with torch.no_grad():
+            scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+        chosen, rejected = scores.chunk(2)  # the collator stacks all chosen, then all rejected
+        margin = trainer.accelerator.gather_for_metrics(chosen - rejected)
+        margins.append(margin.float().cpu())
+        wins.append((margin > 0).float().cpu())
+    margin, win = torch.cat(margins), torch.cat(wins)
+    return float(win.mean()), float(margin.mean()), len(margin)
+
+
+def load_reward_model(folder: Path):
+    """(model, tokenizer) of a reward model artifact: `model(**tok(text)).logits[:, 0]` is the reward."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    info = json.loads((Path(folder) / models.MODEL_INFO).read_text())
+    if info.get("kind") != REWARD_MODEL_KIND:
+        raise SettingError("inputs", f"{folder} is not a reward model (lmforge_model.json kind: {info.get('kind')!r})")
+    return AutoModelForSequenceClassification.from_pretrained(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+
+
+def train(spec: JobSpec) -> dict[str, Any]:
+    from transformers import PrinterCallback
+    from trl import RewardConfig, RewardTrainer
+
+    s = RewardSettings.model_validate(spec.settings)
+    if s.method == "qlora":
+        raise SettingError("method", "the reward stage trains method full or lora; qlora is not supported for "
+                           "sequence-classification reward models yet; use lora")
+    work, out = Path(spec.work_dir), Path(spec.output_dir)
+
+    # 1. tokenizer
+    res = models.resolve(s.base_model, spec.model, work)
+    tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
+    tokenizer = models.load_tokenizer(res, tokenizer_dir)
+    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+    conversational = bool(tokenizer.chat_template)
+
+    # 2. data: identical pairs skipped here, too-long pairs dropped by the trainer (counted below)
+    train_pairs = preference_dataset(spec.train_urls, f"stage {spec.stage} train split", conversational,
+                                     s.max_train_records)
+    eval_pairs = (preference_dataset(spec.validation_urls, f"stage {spec.stage} validation split", conversational)
+                  if s.evaluate and spec.validation_urls else None)
+    require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
+                  f"stage {spec.stage}", "other")
+
+    # 3. model
+    model = load_for_reward_training(res, tokenizer, s, work)
+
+    # 4. trainer
+    args = RewardConfig(**common_args(s, work), center_rewards_coefficient=s.center_rewards_coefficient)
+    ckpt = checkpoint.CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
+                                         s.keep_checkpoints)
+    metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, REWARD_LOG_KEYS)
+    eval_ds = eval_pairs.dataset if eval_pairs is not None else None
+    trainer = RewardTrainer(model=model, args=args, train_dataset=train_pairs.dataset, eval_dataset=eval_ds,
+                            processing_class=tokenizer, callbacks=[ckpt, metrics])
+    trainer.remove_callback(PrinterCallback)
+    # TRL drops them silently: prompt + chosen or prompt + rejected longer than max_length_tokens
+    dropped_train = len(train_pairs.dataset) - len(trainer.train_dataset)
+    dropped_eval = len(eval_ds) - len(trainer.eval_dataset) if eval_ds is not None else 0
+    if dropped_train or dropped_eval:
+        log.warning("%d train and %d validation pairs are longer than max_length_tokens %d and are skipped",
+                    dropped_train, dropped_eval, s.max_length_tokens)
+    require_pairs(train_pairs, len(trainer.train_dataset), f"stage {spec.stage}",
+                  f"longer than max_length_tokens {s.max_length_tokens}")
+    if eval_ds is not None and len(trainer.eval_dataset) == 0:
+        trainer.eval_dataset = None
+    if checkpoint.stop_requested():
+        raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
+
+    # 5. train
+    if spec.resume_from:
+        log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
+    trainer.train(resume_from_checkpoint=spec.resume_from)
+    state = trainer.state
+    if ckpt.stopped_by_signal:
+        raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
+                        f"{state.global_step} is in {spec.checkpoint_uri}; rerun the stage to resume from it")
+    ev = trainer.evaluate() if trainer.eval_dataset is not None else {}
+    if trainer.eval_dataset is not None:
+        ev["eval_accuracy"], ev["eval_margin"], pairs = heldout_pairwise(trainer)
+        log.info("held-out: pairwise accuracy %.4f, mean margin %.4f over %d pairs", ev["eval_accuracy"],
+                 ev["eval_margin"], pairs)
+        if state.is_world_process_zero:
+            metrics._send({"eval/reward_accuracy": ev["eval_accuracy"], "eval/margin": ev["eval_margin"]},
+                          state.global_step)
+
+    # 6. save: always a full sequence-classification model (LoRA merged), with its tokenizer
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    if rank() == 0:
+        final = trainer.accelerator.unwrap_model(trainer.model)
+        if s.method != "full":
+            final = final.merge_and_unload()
+        final.save_pretrained(str(out), safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        info = {"format": "full", "kind": REWARD_MODEL_KIND, "method": s.method,
+                "architecture": "AutoModelForSequenceClassification", "num_labels": 1,
+                "base": {"kind": "artifact_ref", "ref": spec.model.model_dump()} if spec.model else res.to_json()}
+        (out / models.MODEL_INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
+
+    # 7. result
+    history = state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    return {
+        "method": s.method,
+        "base_model": res.describe,
+        "train_records": train_pairs.records,
+        "validation_records": eval_pairs.records if eval_pairs is not None else 0,
+        "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs is not None else 0),
+        "dropped_too_long": dropped_train + dropped_eval,
+        "train_pairs": len(trainer.train_dataset),
+        "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
+        "steps": state.global_step,
+        "epochs": round(float(state.epoch or 0), 4),
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "train_reward_accuracy_last": last_logged(history, "accuracy"),
+        "train_margin_last": last_logged(history, "margin"),
+        "eval_loss": ev.get("eval_loss"),
+        "eval_reward_accuracy": ev.get("eval_accuracy"),
+        "eval_margin": ev.get("eval_margin"),
+        "train_seconds": round(metrics.train_seconds, 2),
+        "peak_memory_mb": round(peak_memory_mb(), 1),
+        "trainable_parameters": trainable,
+        "resumed_from_step": spec.resume_step or 0,
+        "checkpoints_uploaded": ckpt.uploaded,
+    }
