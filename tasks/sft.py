@@ -12,6 +12,8 @@ Output: a `model` artifact: `config.json` + `model.safetensors` (full) or `adapt
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -22,7 +24,7 @@ from lmforge.config import StageConfig
 from lmforge.errors import ConfigError
 from lmforge.shards import shard_urls
 from lmforge.stage import Port, Result, StageDef, StageRuntime
-from lmforge.store import Artifact
+from lmforge.store import Artifact, sha256_file
 from trainer.settings import SftSettings
 
 log = logging.getLogger(__name__)
@@ -34,9 +36,64 @@ class SftConfig(StageConfig, SftSettings):
     #: how often to checkpoint and log, and how to launch, do not change the model: kept out of the id
     ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | SftSettings.RUN_ONLY
 
+    def settings(self) -> dict:
+        """Ids depend on content, not paths (as in the eval stage): a local `base_model.path` folder enters as the
+        sha256 of its files' names and contents, a package GGUF as the package's version and the file's sha256.
+        At plan time there is no runtime, so a relative path resolves against the working directory (as eval's
+        model folders do); a path or package that cannot be found enters as written, and `run` reports it."""
+        s = super().settings()
+        src = self.base_model
+        if src is not None and src.path is not None:
+            s["base_model"]["path"] = _folder_sha256(Path(src.path).expanduser()) or src.path
+        elif src is not None and src.package is not None:
+            s["base_model"].update(_gguf_identity(src.package, src.file or ""))
+        return s
+
     def trainer_settings(self) -> dict:
         """Every training setting, including the orchestration ones the training process needs."""
         return self.model_dump(mode="json", include=set(SftSettings.model_fields))
+
+
+def _folder_sha256(folder: Path) -> str | None:
+    """sha256 over a folder's file names and contents (hidden files and __pycache__ left out); None if no folder."""
+    if not folder.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = f.relative_to(folder)
+        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
+            continue
+        h.update(f"{rel.as_posix()}\0{_file_sha256(f)}\n".encode())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
+def _file_sha256(path: Path) -> str:
+    st = path.stat()  # a plan hashes the same (large) weights once per process
+    return _cached_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _gguf_identity(package: str, file: str) -> dict[str, str]:
+    """{package: name==version, file: sha256:...} of a GGUF shipped in an installed package; as written if absent."""
+    from importlib import metadata
+
+    from trainer.errors import SettingError
+    from trainer.models import gguf_location
+
+    try:
+        path = gguf_location(package, file)
+    except SettingError:
+        return {"package": package, "file": file}
+    dists = metadata.packages_distributions().get(package) or [package]
+    try:
+        version = metadata.version(dists[0])
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"package": f"{package}=={version}", "file": "sha256:" + _file_sha256(path)}
 
 
 class SftResult(Result):
@@ -75,8 +132,11 @@ def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime
     from trainer.job import ArtifactRef, JobSpec
 
     settings = cfg.trainer_settings()
-    if cfg.base_model is not None and cfg.base_model.path is not None:  # the training process runs elsewhere
-        settings["base_model"]["path"] = str(Path(cfg.base_model.path).expanduser().resolve())
+    base_model = cfg.base_model
+    if base_model is not None and base_model.path is not None:  # relative to the project root; the child runs elsewhere
+        base_model = base_model.model_copy(
+            update={"path": str((runtime.root / Path(base_model.path).expanduser()).resolve())})
+        settings["base_model"]["path"] = base_model.path
     by_type = _by_type(inputs)
     shards = by_type["shards"][0]
     tokenizer = by_type.get("tokenizer", [None])[0]
@@ -90,7 +150,7 @@ def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime
                 model=ArtifactRef.of(model) if model else None,
                 output_dir=str(out), work_dir=str(work), checkpoint_uri=runtime.checkpoint_uri,
                 tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id)
-            res = models.resolve(cfg.base_model, spec.model, work, verify=False)
+            res = models.resolve(base_model, spec.model, work, verify=False)
             info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
             log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)
             result = launch.run(spec, launcher=cfg.launcher, nproc_per_node=cfg.nproc_per_node)

@@ -1,5 +1,11 @@
 """Writes the demo datasets: small arithmetic facts a tiny model can learn within the demo budget.
 
+chat.jsonl mixes two answer formats, alternating: "What is 3 plus 4?" -> "3 plus 4 equals 7." (the
+sentence, as in text.jsonl and preference.jsonl) and "What is 3 plus 4?\nAnswer:" -> "7" (the bare sum,
+the prompt and answer format of lmforge's arithmetic eval tasks in configs/eval_tasks, so the demo's eval
+shows the SFT model learning). The eval questions are held-out rows, not unseen sums: every single-digit
+sum occurs in training.
+
 Run `python data/demo/generate.py` to regenerate; the output is deterministic (seeded) and committed.
 """
 import json
@@ -25,9 +31,12 @@ def main() -> None:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
     with open(HERE / "chat.jsonl", "w") as f:
-        for _ in range(800):
+        for i in range(1200):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            row = {"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
+            if i % 2:
+                row = {"instruction": f"What is {a} plus {b}?\nAnswer:", "input": "", "output": str(a + b)}
+            else:
+                row = {"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
             f.write(json.dumps(row) + "\n")
     with open(HERE / "preference.jsonl", "w") as f:
         for _ in range(600):
