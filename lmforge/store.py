@@ -9,6 +9,7 @@ AWS_ACCESS_KEY_ID, ...), never from a config.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -66,6 +67,31 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
+def file_fingerprint(path: Path) -> str:
+    """sha256 of a local file, computed once per process for the same (path, size, mtime)."""
+    st = path.stat()
+    return _sha256_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def folder_fingerprint(folder: Path) -> str | None:
+    """`sha256:<32 hex>` over a folder's file names and contents (hidden files and __pycache__ left
+    out): what an artifact id hashes instead of a local model or task folder's path. None if no folder."""
+    if not folder.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = f.relative_to(folder)
+        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
+            continue
+        h.update(f"{rel.as_posix()}\0{file_fingerprint(f)}\n".encode())
+    return "sha256:" + h.hexdigest()[:32]
 
 
 class _VerifyingReader(io.RawIOBase):

@@ -27,7 +27,6 @@ Artifact: `results/<model>.json` (lm-eval's results), `metrics.json`, `compariso
 """
 from __future__ import annotations
 
-import hashlib
 import html
 import json
 import logging
@@ -47,7 +46,7 @@ from lmforge.errors import ArtifactError, DataError, FailedAfterPublish
 from lmforge.records import iter_records
 from lmforge.shards import iter_samples
 from lmforge.stage import Input, Port, Result, StageDef, StageRuntime, numeric_leaves
-from lmforge.store import Artifact, sha256_file
+from lmforge.store import Artifact, folder_fingerprint, sha256_file
 from trainer import evaluate as ev
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -216,18 +215,9 @@ class EvalConfig(StageConfig):
 
 
 def _fingerprint_or_path(spec: str) -> str:
-    """sha256 over a folder's file names and contents (what a plan hashes instead of the path); the path
-    as written when it does not exist, so that `run` reports it."""
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        return spec
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = f.relative_to(path)
-        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
-            continue
-        h.update(f"{rel.as_posix()}\0{sha256_file(f)}\n".encode())
-    return "sha256:" + h.hexdigest()[:32]
+    """A folder's content fingerprint (what a plan hashes instead of the path); the path as written
+    when it does not exist, so that `run` reports it."""
+    return folder_fingerprint(Path(spec).expanduser()) or spec
 
 
 class EvalResult(Result):

@@ -26,6 +26,7 @@ from lmforge.errors import ConfigError
 from lmforge.shards import shard_urls
 from lmforge.stage import Port, Result, StageDef, StageRuntime
 from lmforge.store import Artifact
+from tasks.sft import model_source_identity
 from trainer.settings import RewardSettings
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,10 @@ class RewardStageConfig(StageConfig, RewardSettings):
     kind: Literal["reward"] = Field(description="Reward model on preference shards (TRL RewardTrainer).")
 
     ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | RewardSettings.RUN_ONLY
+
+    def settings(self) -> dict:
+        """As in sft: a base model enters the id by its content, never by its path."""
+        return model_source_identity(super().settings(), self.base_model)
 
     def trainer_settings(self) -> dict:
         return self.model_dump(mode="json", include=set(RewardSettings.model_fields))

@@ -12,8 +12,6 @@ Output: a `model` artifact: `config.json` + `model.safetensors` (full) or `adapt
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -24,7 +22,7 @@ from lmforge.config import StageConfig
 from lmforge.errors import ConfigError
 from lmforge.shards import shard_urls
 from lmforge.stage import Port, Result, StageDef, StageRuntime
-from lmforge.store import Artifact, sha256_file
+from lmforge.store import Artifact, file_fingerprint, folder_fingerprint
 from trainer.settings import SftSettings
 
 log = logging.getLogger(__name__)
@@ -41,40 +39,20 @@ class SftConfig(StageConfig, SftSettings):
         sha256 of its files' names and contents, a package GGUF as the package's version and the file's sha256.
         At plan time there is no runtime, so a relative path resolves against the working directory (as eval's
         model folders do); a path or package that cannot be found enters as written, and `run` reports it."""
-        s = super().settings()
-        src = self.base_model
-        if src is not None and src.path is not None:
-            s["base_model"]["path"] = _folder_sha256(Path(src.path).expanduser()) or src.path
-        elif src is not None and src.package is not None:
-            s["base_model"].update(_gguf_identity(src.package, src.file or ""))
-        return s
+        return model_source_identity(super().settings(), self.base_model)
 
     def trainer_settings(self) -> dict:
         """Every training setting, including the orchestration ones the training process needs."""
         return self.model_dump(mode="json", include=set(SftSettings.model_fields))
 
 
-def _folder_sha256(folder: Path) -> str | None:
-    """sha256 over a folder's file names and contents (hidden files and __pycache__ left out); None if no folder."""
-    if not folder.is_dir():
-        return None
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = f.relative_to(folder)
-        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
-            continue
-        h.update(f"{rel.as_posix()}\0{_file_sha256(f)}\n".encode())
-    return "sha256:" + h.hexdigest()[:32]
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
-    return sha256_file(Path(path))
-
-
-def _file_sha256(path: Path) -> str:
-    st = path.stat()  # a plan hashes the same (large) weights once per process
-    return _cached_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns)
+def model_source_identity(settings: dict, src) -> dict:
+    """`settings` with `base_model` (a local folder or a package GGUF) replaced by its content identity."""
+    if src is not None and src.path is not None:
+        settings["base_model"]["path"] = folder_fingerprint(Path(src.path).expanduser()) or src.path
+    elif src is not None and src.package is not None:
+        settings["base_model"].update(_gguf_identity(src.package, src.file or ""))
+    return settings
 
 
 def _gguf_identity(package: str, file: str) -> dict[str, str]:
@@ -93,7 +71,7 @@ def _gguf_identity(package: str, file: str) -> dict[str, str]:
         version = metadata.version(dists[0])
     except metadata.PackageNotFoundError:
         version = "unknown"
-    return {"package": f"{package}=={version}", "file": "sha256:" + _file_sha256(path)}
+    return {"package": f"{package}=={version}", "file": "sha256:" + file_fingerprint(path)}
 
 
 class SftResult(Result):

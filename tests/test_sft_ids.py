@@ -54,3 +54,20 @@ def test_settings_hash_content_and_keep_unknown_spellings():
     assert gguf["file"] == "sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     missing = SftConfig.model_validate({"kind": "sft", "base_model": {"package": "no_such_pkg", "file": "x.gguf"}})
     assert missing.settings()["base_model"]["package"] == "no_such_pkg"
+
+
+def test_reward_stage_ids_hash_model_content_too(tmp_path):
+    """The reward stage shares sft's rule: a copied base model folder keeps the id."""
+    from tasks.reward import RewardStageConfig
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "model.safetensors").write_bytes(b"weights")
+    ids = [RewardStageConfig(kind="reward", inputs=["shard"], base_model={"path": str(d)}).settings()["base_model"]
+           for d in (a, b)]
+    assert ids[0] == ids[1] and ids[0]["path"].startswith("sha256:")
+    (b / "model.safetensors").write_bytes(b"other weights")
+    changed = RewardStageConfig(kind="reward", inputs=["shard"], base_model={"path": str(b)}).settings()
+    assert changed["base_model"] != ids[0]
