@@ -57,7 +57,7 @@ def detect_format(uri: str, declared: str, where: str) -> str:
         if lower.endswith(ext):
             return FORMATS[ext]
     raise DataError(where, f"cannot tell the format of {uri!r} from its name",
-                    f"set format: to one of jsonl, jsonl.gz, parquet, txt")
+                    "set format: to one of jsonl, jsonl.gz, parquet, txt")
 
 
 def resolve_dataset(pipeline: PipelineConfig, name: str) -> DatasetInput:

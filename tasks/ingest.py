@@ -128,7 +128,7 @@ def run(cfg: IngestConfig, inputs: list[DatasetInput], out: Path) -> IngestResul
                     if isinstance(row, BadRow):
                         if cfg.on_bad_record == "fail":
                             raise DataError(row.where, row.problem,
-                                            f"fix the row, or set on_bad_record: skip on the ingest stage")
+                                            "fix the row, or set on_bad_record: skip on the ingest stage")
                         bad[row.reason] += 1
                         if len(examples) < MAX_EXAMPLES:
                             examples.append(str(row))

@@ -212,3 +212,28 @@ class CheckpointCallback(TrainerCallback):
 
 def summary(callback: CheckpointCallback) -> dict[str, Any]:
     return {"uploaded_steps": list(callback.uploaded), "stopped_by_signal": callback.stopped_by_signal}
+
+
+def callback_for(spec, s) -> "CheckpointCallback":
+    """The checkpoint callback every recipe uses, from the job spec and the recipe's settings."""
+    return CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
+                              s.keep_checkpoints)
+
+
+def train_resumable(trainer, spec, ckpt: "CheckpointCallback"):
+    """Train from the newest uploaded checkpoint (if any); a SIGTERM ends in `Preempted` after a checkpoint.
+
+    Returns the trainer's final state. Shared by every recipe so preemption behaves the same in all.
+    """
+    from trainer.errors import Preempted
+
+    if stop_requested():
+        raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
+    if spec.resume_from:
+        log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
+    trainer.train(resume_from_checkpoint=spec.resume_from)
+    state = trainer.state
+    if ckpt.stopped_by_signal:
+        raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
+                        f"{state.global_step} is in {spec.checkpoint_uri}; rerun the stage to resume from it")
+    return state

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from trainer import checkpoint, models
-from trainer.errors import Preempted, SettingError
+from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import peak_memory_mb
-from trainer.reward import AlignMetricsCallback, common_args, last_logged, preference_dataset, require_pairs
+from trainer.reward import (AlignMetricsCallback, common_args, count_dropped_pairs, last_logged, preference_dataset,
+                            require_pairs)
 from trainer.settings import DpoSettings
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
     # 4. trainer
     args = DPOConfig(**common_args(s, work), beta=s.beta, loss_type=[s.loss_type], truncation_mode="keep_start",
                      precompute_ref_log_probs=False)
-    ckpt = checkpoint.CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
-                                         s.keep_checkpoints)
+    ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, DPO_LOG_KEYS)
     eval_ds = eval_pairs.dataset if eval_pairs is not None else None
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train_pairs.dataset,
@@ -98,26 +98,11 @@ def train(spec: JobSpec) -> dict[str, Any]:
                          callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
     # TRL drops them silently: the prompt alone reaches max_length_tokens, no completion token would be left
-    dropped_train = len(train_pairs.dataset) - len(trainer.train_dataset)
-    dropped_eval = len(eval_ds) - len(trainer.eval_dataset) if eval_ds is not None else 0
-    if dropped_train or dropped_eval:
-        log.warning("%d train and %d validation pairs have a prompt of max_length_tokens %d or more and are skipped",
-                    dropped_train, dropped_eval, s.max_length_tokens)
-    require_pairs(train_pairs, len(trainer.train_dataset), f"stage {spec.stage}",
-                  f"with a prompt of max_length_tokens {s.max_length_tokens} or more")
-    if eval_ds is not None and len(trainer.eval_dataset) == 0:
-        trainer.eval_dataset = None
-    if checkpoint.stop_requested():
-        raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
+    dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
+                                  f"with a prompt of max_length_tokens {s.max_length_tokens} or more")
 
-    # 5. train
-    if spec.resume_from:
-        log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
-    trainer.train(resume_from_checkpoint=spec.resume_from)
-    state = trainer.state
-    if ckpt.stopped_by_signal:
-        raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
-                        f"{state.global_step} is in {spec.checkpoint_uri}; rerun the stage to resume from it")
+    # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
+    state = checkpoint.train_resumable(trainer, spec, ckpt)
     ev = trainer.evaluate() if trainer.eval_dataset is not None else {}
 
     # 6. save: the model (full) or adapter (lora, qlora, on top of the input model artifact) and tokenizer
@@ -143,7 +128,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "train_records": train_pairs.records,
         "validation_records": eval_pairs.records if eval_pairs is not None else 0,
         "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs is not None else 0),
-        "dropped_prompt_too_long": dropped_train + dropped_eval,
+        "dropped_prompt_too_long": dropped,
         "train_pairs": len(trainer.train_dataset),
         "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
         "steps": state.global_step,

@@ -23,7 +23,7 @@ from typing import Any
 
 from lmforge.errors import DataError
 from trainer import checkpoint, data, models
-from trainer.errors import Preempted, SettingError
+from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank, world_size
 from trainer.metrics import MetricsCallback, peak_memory_mb
 from trainer.settings import RewardSettings
@@ -204,6 +204,19 @@ def heldout_pairwise(trainer) -> tuple[float, float, int]:
     return float(win.mean()), float(margin.mean()), len(margin)
 
 
+def count_dropped_pairs(trainer, train_pairs, eval_ds, stage: str, why: str) -> int:
+    """Pairs TRL's trainer dropped while preparing its datasets (it says nothing): log them, fail when no
+    training pair is left, and drop an emptied validation set. Returns train + validation drops."""
+    dropped_train = len(train_pairs.dataset) - len(trainer.train_dataset)
+    dropped_eval = len(eval_ds) - len(trainer.eval_dataset) if eval_ds is not None else 0
+    if dropped_train or dropped_eval:
+        log.warning("%d train and %d validation pairs are %s and are skipped", dropped_train, dropped_eval, why)
+    require_pairs(train_pairs, len(trainer.train_dataset), f"stage {stage}", why)
+    if eval_ds is not None and len(trainer.eval_dataset) == 0:
+        trainer.eval_dataset = None
+    return dropped_train + dropped_eval
+
+
 def load_reward_model(folder: Path):
     """(model, tokenizer) of a reward model artifact: `model(**tok(text)).logits[:, 0]` is the reward."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -244,34 +257,18 @@ def train(spec: JobSpec) -> dict[str, Any]:
 
     # 4. trainer
     args = RewardConfig(**common_args(s, work), center_rewards_coefficient=s.center_rewards_coefficient)
-    ckpt = checkpoint.CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
-                                         s.keep_checkpoints)
+    ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, REWARD_LOG_KEYS)
     eval_ds = eval_pairs.dataset if eval_pairs is not None else None
     trainer = RewardTrainer(model=model, args=args, train_dataset=train_pairs.dataset, eval_dataset=eval_ds,
                             processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
     # TRL drops them silently: prompt + chosen or prompt + rejected longer than max_length_tokens
-    dropped_train = len(train_pairs.dataset) - len(trainer.train_dataset)
-    dropped_eval = len(eval_ds) - len(trainer.eval_dataset) if eval_ds is not None else 0
-    if dropped_train or dropped_eval:
-        log.warning("%d train and %d validation pairs are longer than max_length_tokens %d and are skipped",
-                    dropped_train, dropped_eval, s.max_length_tokens)
-    require_pairs(train_pairs, len(trainer.train_dataset), f"stage {spec.stage}",
-                  f"longer than max_length_tokens {s.max_length_tokens}")
-    if eval_ds is not None and len(trainer.eval_dataset) == 0:
-        trainer.eval_dataset = None
-    if checkpoint.stop_requested():
-        raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
+    dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
+                                  f"longer than max_length_tokens {s.max_length_tokens}")
 
-    # 5. train
-    if spec.resume_from:
-        log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
-    trainer.train(resume_from_checkpoint=spec.resume_from)
-    state = trainer.state
-    if ckpt.stopped_by_signal:
-        raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
-                        f"{state.global_step} is in {spec.checkpoint_uri}; rerun the stage to resume from it")
+    # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
+    state = checkpoint.train_resumable(trainer, spec, ckpt)
     ev = trainer.evaluate() if trainer.eval_dataset is not None else {}
     if trainer.eval_dataset is not None:
         ev["eval_accuracy"], ev["eval_margin"], pairs = heldout_pairwise(trainer)
@@ -303,7 +300,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "train_records": train_pairs.records,
         "validation_records": eval_pairs.records if eval_pairs is not None else 0,
         "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs is not None else 0),
-        "dropped_too_long": dropped_train + dropped_eval,
+        "dropped_too_long": dropped,
         "train_pairs": len(trainer.train_dataset),
         "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
         "steps": state.global_step,

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer import chat_templates, checkpoint, data, models
-from trainer.errors import Preempted
 from trainer.job import JobSpec, materialize, rank, world_size
 from trainer.metrics import MetricsCallback, peak_memory_mb
 from trainer.settings import SftSettings
@@ -21,7 +20,6 @@ from trainer.settings import SftSettings
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = {"adamw_torch": "adamw_torch", "lion": "lion_32bit", "adafactor": "adafactor"}
-
 
 def train(spec: JobSpec) -> dict[str, Any]:
     import torch
@@ -67,8 +65,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
         ddp_backend=None if on_gpu or world_size() == 1 else "gloo", ddp_find_unused_parameters=False,
     )
-    ckpt = checkpoint.CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
-                                         s.keep_checkpoints)
+    ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer, callbacks=[ckpt, metrics])
@@ -77,17 +74,9 @@ def train(spec: JobSpec) -> dict[str, Any]:
     if dropped:  # TRL drops them silently: truncation to max_length_tokens left no assistant token to learn from
         log.warning("%d of %d conversations have no assistant token within max_length_tokens %d and are skipped",
                     dropped, len(train_ds), s.max_length_tokens)
-    if checkpoint.stop_requested():
-        raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
 
-    # 5. train
-    if spec.resume_from:
-        log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
-    trainer.train(resume_from_checkpoint=spec.resume_from)
-    state = trainer.state
-    if ckpt.stopped_by_signal:
-        raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
-                        f"{state.global_step} is in {spec.checkpoint_uri}; rerun the stage to resume from it")
+    # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
+    state = checkpoint.train_resumable(trainer, spec, ckpt)
     eval_loss = trainer.evaluate()["eval_loss"] if eval_ds is not None else None
 
     # 6. save: the model (or adapter) and tokenizer, as safetensors
