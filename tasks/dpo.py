@@ -23,7 +23,8 @@ from pydantic import Field
 from lmforge.config import StageConfig
 from lmforge.stage import Port, Result, StageDef, StageRuntime
 from lmforge.store import Artifact
-from tasks.reward import check_inputs, launch_training
+from tasks.reward import check_inputs
+from tasks.sft import launch_training
 from trainer.settings import DpoSettings
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class DpoResult(Result):
 
 
 def run(cfg: DpoStageConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> DpoResult:
-    return DpoResult(**launch_training("dpo", cfg, DpoSettings, inputs, out, runtime))
+    return DpoResult(**launch_training("dpo", cfg, inputs, out, runtime))
 
 
 def output_port(cfg: DpoStageConfig, inputs: list[Port]) -> Port:

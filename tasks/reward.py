@@ -23,10 +23,9 @@ from pydantic import Field
 
 from lmforge.config import StageConfig
 from lmforge.errors import ConfigError
-from lmforge.shards import shard_urls
 from lmforge.stage import Port, Result, StageDef, StageRuntime
 from lmforge.store import Artifact
-from tasks.sft import model_source_identity
+from tasks.sft import launch_training, model_source_identity
 from trainer.settings import RewardSettings
 
 log = logging.getLogger(__name__)
@@ -70,51 +69,11 @@ class RewardResult(Result):
     checkpoints_uploaded: list[int]
 
 
-def by_type(inputs: list[Artifact]) -> dict[str, list[Artifact]]:
-    out: dict[str, list[Artifact]] = {}
-    for a in inputs:
-        out.setdefault(a.manifest.get("output", {}).get("type", a.kind), []).append(a)
-    return out
-
-
-def launch_training(method: str, cfg, settings_cls, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> dict:
-    """Shared by reward and dpo: build the job spec, run the config-only checks, train in a child process."""
-    from trainer import launch, models
-    from trainer.errors import SettingError
-    from trainer.job import ArtifactRef, JobSpec
-
-    settings = cfg.model_dump(mode="json", include=set(settings_cls.model_fields))
-    base_model = cfg.base_model
-    if base_model is not None and base_model.path is not None:  # relative to the project root; the child runs elsewhere
-        base_model = base_model.model_copy(
-            update={"path": str((runtime.root / Path(base_model.path).expanduser()).resolve())})
-        settings["base_model"]["path"] = base_model.path
-    found = by_type(inputs)
-    shards = found["shards"][0]
-    tokenizer = found.get("tokenizer", [None])[0]
-    model = found.get("model", [None])[0]
-    try:
-        with launch.work_dir(runtime.stage, runtime.artifact_id) as work:
-            spec = JobSpec(
-                method=method, stage=runtime.stage, settings=settings,
-                train_urls=shard_urls(shards, "train"), validation_urls=shard_urls(shards, "validation"),
-                tokenizer=ArtifactRef.of(tokenizer) if tokenizer else None,
-                model=ArtifactRef.of(model) if model else None,
-                output_dir=str(out), work_dir=str(work), checkpoint_uri=runtime.checkpoint_uri,
-                tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id)
-            res = models.resolve(base_model, spec.model, work, verify=False)
-            if method == "reward" and cfg.method == "qlora":
-                raise SettingError("method", "the reward stage trains method full or lora; qlora is not supported "
-                                   "for sequence-classification reward models yet; use lora")
-            info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
-            log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)
-            return launch.run(spec, launcher=cfg.launcher, nproc_per_node=cfg.nproc_per_node)
-    except SettingError as e:
-        raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
-
-
 def run(cfg: RewardStageConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> RewardResult:
-    return RewardResult(**launch_training("reward", cfg, RewardSettings, inputs, out, runtime))
+    if cfg.method == "qlora":  # before any process starts
+        raise ConfigError([f"stages.{runtime.stage}.method: the reward stage trains method full or lora; qlora is "
+                           "not supported for sequence-classification reward models yet; use lora"])
+    return RewardResult(**launch_training("reward", cfg, inputs, out, runtime))
 
 
 def check_inputs(stage: str, inputs: list[Port]) -> None:

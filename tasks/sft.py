@@ -97,14 +97,18 @@ class SftResult(Result):
     checkpoints_uploaded: list[int]
 
 
-def _by_type(inputs: list[Artifact]) -> dict[str, list[Artifact]]:
+def by_type(inputs: list[Artifact]) -> dict[str, list[Artifact]]:
+    """Input artifacts grouped by their output type (shards, tokenizer, model)."""
     out: dict[str, list[Artifact]] = {}
     for a in inputs:
         out.setdefault(a.manifest.get("output", {}).get("type", a.kind), []).append(a)
     return out
 
 
-def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> SftResult:
+def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> dict:
+    """Every training stage (sft, reward, dpo): build the job spec, run the checks that need only the
+    config and the model's config (before any process starts), then train in a child process.
+    Returns the child's result dict."""
     from trainer import launch, models
     from trainer.errors import SettingError
     from trainer.job import ArtifactRef, JobSpec
@@ -115,14 +119,14 @@ def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime
         base_model = base_model.model_copy(
             update={"path": str((runtime.root / Path(base_model.path).expanduser()).resolve())})
         settings["base_model"]["path"] = base_model.path
-    by_type = _by_type(inputs)
-    shards = by_type["shards"][0]
-    tokenizer = by_type.get("tokenizer", [None])[0]
-    model = by_type.get("model", [None])[0]
+    found = by_type(inputs)
+    shards = found["shards"][0]
+    tokenizer = found.get("tokenizer", [None])[0]
+    model = found.get("model", [None])[0]
     try:
         with launch.work_dir(runtime.stage, runtime.artifact_id) as work:
             spec = JobSpec(
-                method="sft", stage=runtime.stage, settings=settings,
+                method=method, stage=runtime.stage, settings=settings,
                 train_urls=shard_urls(shards, "train"), validation_urls=shard_urls(shards, "validation"),
                 tokenizer=ArtifactRef.of(tokenizer) if tokenizer else None,
                 model=ArtifactRef.of(model) if model else None,
@@ -131,10 +135,13 @@ def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime
             res = models.resolve(base_model, spec.model, work, verify=False)
             info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
             log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)
-            result = launch.run(spec, launcher=cfg.launcher, nproc_per_node=cfg.nproc_per_node)
+            return launch.run(spec, launcher=cfg.launcher, nproc_per_node=cfg.nproc_per_node)
     except SettingError as e:
         raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
-    return SftResult(**result)
+
+
+def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> SftResult:
+    return SftResult(**launch_training("sft", cfg, inputs, out, runtime))
 
 
 def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
