@@ -21,8 +21,15 @@ from trainer.job import JobSpec, rank
 
 log = logging.getLogger("trainer.entry")
 
-# method -> module with train(spec) -> dict
-RECIPES = {"sft": "trainer.sft", "reward": "trainer.reward", "dpo": "trainer.dpo"}
+
+def recipe_module(method: str):
+    """The recipe of a method: the module `trainer.<method>`, which defines `train(spec) -> dict`."""
+    if not method.isidentifier():
+        raise ValueError(f"not a training method: {method!r}")
+    module = importlib.import_module(f"trainer.{method}")
+    if not callable(getattr(module, "train", None)):
+        raise ValueError(f"trainer.{method} has no train(spec) function: not a training method")
+    return module
 
 
 def setup_logging() -> None:
@@ -61,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint.install_sigterm_handler()
     try:
         spec = JobSpec.read(spec_path)
-        recipe = importlib.import_module(RECIPES[spec.method])
+        recipe = recipe_module(spec.method)
         result = recipe.train(spec)
         if rank() == 0:
             _write(work / "result.json", result)
