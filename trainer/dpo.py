@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from trainer import checkpoint, models
+from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import peak_memory_mb
-from trainer.reward import (AlignMetricsCallback, common_args, count_dropped_pairs, last_logged, preference_dataset,
+from trainer.reward import (AlignMetricsCallback, count_dropped_pairs, last_logged, preference_dataset,
                             require_pairs)
 from trainer.settings import DpoSettings
 
@@ -88,7 +89,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
 
     # 4. trainer
-    args = DPOConfig(**common_args(s, work), beta=s.beta, loss_type=[s.loss_type], truncation_mode="keep_start",
+    args = DPOConfig(**training_args(s, work), beta=s.beta, loss_type=[s.loss_type], truncation_mode="keep_start",
                      precompute_ref_log_probs=False)
     ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, DPO_LOG_KEYS)

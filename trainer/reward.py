@@ -23,14 +23,14 @@ from typing import Any
 
 from lmforge.errors import DataError
 from trainer import checkpoint, data, models
+from trainer.args import training_args
 from trainer.errors import SettingError
-from trainer.job import JobSpec, materialize, rank, world_size
+from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import MetricsCallback, peak_memory_mb
 from trainer.settings import RewardSettings
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = {"adamw_torch": "adamw_torch", "lion": "lion_32bit", "adafactor": "adafactor"}
 REWARD_MODEL_KIND = "reward_model"
 
 #: RewardTrainer's log keys -> MLflow metric names (train/loss, eval/loss come from MetricsCallback)
@@ -113,28 +113,6 @@ class AlignMetricsCallback(MetricsCallback):
 def last_logged(history: list[dict[str, Any]], key: str) -> float | None:
     values = [h[key] for h in history if key in h]
     return float(values[-1]) if values else None
-
-
-def common_args(s, work: Path) -> dict[str, Any]:
-    """TrainingArguments every alignment recipe shares (CPU-safe: no bf16, no activation checkpointing)."""
-    import torch
-
-    on_gpu = torch.cuda.is_available()
-    return dict(
-        output_dir=str(work / "checkpoints"), seed=s.seed, data_seed=s.seed,
-        use_cpu=not on_gpu, bf16=s.bf16 and on_gpu, fp16=False,
-        activation_checkpointing=s.gradient_checkpointing,  # transformers 5 name; TRL 1.12 defaults it on
-        max_steps=s.max_steps or -1, num_train_epochs=s.epochs,
-        per_device_train_batch_size=s.batch_size_per_device, per_device_eval_batch_size=s.batch_size_per_device,
-        gradient_accumulation_steps=s.grad_accumulation_steps,
-        learning_rate=s.learning_rate, lr_scheduler_type=s.lr_scheduler, warmup_steps=s.warmup_steps,
-        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, optim=OPTIMIZERS[s.optimizer],
-        max_length=s.max_length_tokens,
-        save_strategy="no", save_total_limit=1,  # CheckpointCallback decides when; one local copy is enough
-        eval_strategy="no", logging_steps=s.logging_steps, logging_first_step=True,
-        report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
-        ddp_backend=None if on_gpu or world_size() == 1 else "gloo", ddp_find_unused_parameters=False,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +234,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
     model = load_for_reward_training(res, tokenizer, s, work)
 
     # 4. trainer
-    args = RewardConfig(**common_args(s, work), center_rewards_coefficient=s.center_rewards_coefficient)
+    args = RewardConfig(**training_args(s, work), center_rewards_coefficient=s.center_rewards_coefficient)
     ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, REWARD_LOG_KEYS)
     eval_ds = eval_pairs.dataset if eval_pairs is not None else None

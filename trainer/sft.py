@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from trainer import chat_templates, checkpoint, data, models
-from trainer.job import JobSpec, materialize, rank, world_size
+from trainer.args import training_args
+from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import MetricsCallback, peak_memory_mb
 from trainer.settings import SftSettings
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = {"adamw_torch": "adamw_torch", "lion": "lion_32bit", "adafactor": "adafactor"}
 
 def train(spec: JobSpec) -> dict[str, Any]:
-    import torch
     from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -48,23 +47,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
                                         dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
 
     # 4. trainer
-    on_gpu = torch.cuda.is_available()
-    args = SFTConfig(
-        output_dir=str(work / "checkpoints"), seed=s.seed, data_seed=s.seed,
-        use_cpu=not on_gpu, bf16=s.bf16 and on_gpu, fp16=False,
-        activation_checkpointing=s.gradient_checkpointing,  # transformers 5 name; TRL 1.12 defaults it on
-        max_steps=s.max_steps or -1, num_train_epochs=s.epochs,
-        per_device_train_batch_size=s.batch_size_per_device, per_device_eval_batch_size=s.batch_size_per_device,
-        gradient_accumulation_steps=s.grad_accumulation_steps,
-        learning_rate=s.learning_rate, lr_scheduler_type=s.lr_scheduler, warmup_steps=s.warmup_steps,
-        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, optim=OPTIMIZERS[s.optimizer],
-        max_length=s.max_length_tokens, packing=s.packing, packing_strategy=s.packing_strategy,
-        assistant_only_loss=s.assistant_only_loss,
-        save_strategy="no", save_total_limit=1,  # CheckpointCallback decides when; one local copy is enough
-        eval_strategy="no", logging_steps=s.logging_steps, logging_first_step=True,
-        report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
-        ddp_backend=None if on_gpu or world_size() == 1 else "gloo", ddp_find_unused_parameters=False,
-    )
+    args = SFTConfig(**training_args(s, work), packing=s.packing, packing_strategy=s.packing_strategy,
+                     assistant_only_loss=s.assistant_only_loss)
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
