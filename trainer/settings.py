@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.models import LoraSettings, Method, ModelSource
 
+#: prompts every generative training stage answers before and after training, unless configured
+DEFAULT_CONTROL_PROMPTS = ("What is 2 plus 3?", "Write one sentence about the sea.", "The capital of France is")
+
 
 class TrainSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -54,11 +57,17 @@ class TrainSettings(BaseModel):
     launcher: Literal["local", "torchrun"] = Field("local", description="local: one training process; torchrun: "
                                                    "nproc_per_node processes with DDP (gloo on CPU).")
     nproc_per_node: int = Field(1, gt=0, description="Training processes (GPUs) with launcher torchrun.")
+    control_prompts: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_CONTROL_PROMPTS),
+        description="After training, the model before and after answer these prompts (greedy) side by side: a "
+        "table on the stage's MLflow run and `generations.json` in the artifact. [] skips the check.")
+    control_max_new_tokens: int = Field(32, gt=0, description="Tokens generated per control prompt.")
 
     #: settings that change how often the run checkpoints and logs, or how it is launched, never the
     #: model it produces; training stages keep them out of their artifact id
     RUN_ONLY: ClassVar[frozenset[str]] = frozenset({
-        "checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "logging_steps", "launcher"})
+        "checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "logging_steps", "launcher",
+        "control_prompts", "control_max_new_tokens"})
 
 
 class SftSettings(TrainSettings):
