@@ -105,10 +105,12 @@ def by_type(inputs: list[Artifact]) -> dict[str, list[Artifact]]:
     return out
 
 
-def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> dict:
-    """Every training stage (sft, reward, dpo): build the job spec, run the checks that need only the
+def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime: StageRuntime,
+                    reward_model: Artifact | None = None) -> dict:
+    """Every training stage (sft, reward, dpo, RL): build the job spec, run the checks that need only the
     config and the model's config (before any process starts), then train in a child process.
-    Returns the child's result dict."""
+    `reward_model` (RL stages) is a `reward` stage's artifact, kept out of `inputs` so that `inputs`' one
+    model stays the policy. Returns the child's result dict."""
     from trainer import launch, models
     from trainer.errors import SettingError
     from trainer.job import ArtifactRef, JobSpec
@@ -130,6 +132,7 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
                 train_urls=shard_urls(shards, "train"), validation_urls=shard_urls(shards, "validation"),
                 tokenizer=ArtifactRef.of(tokenizer) if tokenizer else None,
                 model=ArtifactRef.of(model) if model else None,
+                reward_model=ArtifactRef.of(reward_model) if reward_model else None,
                 output_dir=str(out), work_dir=str(work), checkpoint_uri=runtime.checkpoint_uri,
                 tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id)
             res = models.resolve(base_model, spec.model, work, verify=False)

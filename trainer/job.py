@@ -51,6 +51,7 @@ class JobSpec(BaseModel):
     validation_urls: list[str] = []
     tokenizer: ArtifactRef | None = None
     model: ArtifactRef | None = None
+    reward_model: ArtifactRef | None = None  # a `reward` stage's model (RL stages: grpo, rloo, ppo)
     output_dir: str  # local folder the final artifact files go into (the stage's staging folder)
     work_dir: str  # local scratch: local checkpoints, downloaded inputs, spec and result files
     checkpoint_uri: str  # fsspec URL; each checkpoint is uploaded here as soon as it is saved
