@@ -106,10 +106,14 @@ class PreferenceEval(BaseModel):
     name: str = Field("preference", pattern=MODEL_NAME_RE, description="Task name in metric paths.")
     input: str = Field(description="A stage in `inputs` with preference shards or records {prompt, chosen, rejected}.")
     split: Literal["train", "validation"] = Field("validation", description="Shard split (shards only).")
-    reference: str = Field(description="The entry of `models` that is the reference policy (usually the SFT model).")
-    models: list[str] | None = Field(None, description="Entries to score; default: every model but the reference.")
-    method: Literal["implicit_dpo"] = Field("implicit_dpo", description="implicit_dpo: r = beta * (log pi - log "
-                                            "ref). A reward-model scorer comes with the reward artifact format.")
+    reference: str | None = Field(None, description="The entry of `models` that is the reference policy (usually "
+                                  "the SFT model): policies (dpo, ppo, grpo models) are scored by DPO's implicit "
+                                  "reward r = beta * (log pi - log ref) against it.")
+    models: list[str] | None = Field(None, description="Policy entries to score by implicit reward; default: every "
+                                     "model but the reference.")
+    reward_models: list[str] = Field(default_factory=list, description="Stages in `inputs` whose artifacts are "
+                                     "reward models (kind: reward): each is scored by its own reward of chosen vs "
+                                     "rejected and gets a row named after the stage.")
     beta: float = Field(0.1, gt=0, description="DPO beta; scales reward_margin, not accuracy.")
     prompt_separator: str = Field("\n", description="Between prompt and response when apply_chat_template is off.")
     max_pairs: int | None = Field(None, gt=0, description="Score at most this many pairs (the first ones).")
@@ -175,9 +179,18 @@ class EvalConfig(StageConfig):
         names = [m.name for m in info.data.get("models") or []]
         if p is None or not names:
             return p
-        for ref in [p.reference, *(p.models or [])]:
+        if p.reference is None and not p.reward_models:
+            raise ValueError("set reference (a model entry: policies are scored by implicit DPO reward against it) "
+                             "and/or reward_models (reward stages in inputs)")
+        if p.reference is None and p.models:
+            raise ValueError("models are scored by implicit reward against a reference: set reference too")
+        for ref in [*([p.reference] if p.reference else []), *(p.models or [])]:
             if ref not in names:
                 raise ValueError(f"{ref!r} is not a model name ({', '.join(names)})")
+        clash = sorted(set(p.reward_models) & set(names))
+        if clash:
+            raise ValueError(f"reward_models {', '.join(clash)}: a reward model's row is named after its stage, and "
+                             "a model entry already has that name; rename the entry")
         if p.name in {s.name for s in info.data.get("perplexity") or []}:
             raise ValueError(f"name {p.name!r} is also a perplexity set's name; give it another")
         return p
@@ -348,9 +361,9 @@ def resolve_models(cfg: EvalConfig, by_input: dict[str, Input], where: str) -> d
 
 def _recorded_base(folder: Path) -> Path | None:
     """The base an adapter artifact records in lmforge_model.json (written by trainer/models.py): its own
-    copy under base_model/ (a base built from a config), a local folder, or a package GGUF (dequantized into a
-    cached folder). None for anything else (hub, another artifact): those need trainer/models.py's resolver,
-    which this stage should call later."""
+    copy under base_model/ (a base built from a config), a local folder, a package GGUF (dequantized into a
+    cached folder), or another model artifact (a DPO adapter on an SFT model): its folder, or for an adapter
+    artifact its base with the adapter merged (cached). None for anything else (a hub id)."""
     info = folder / "lmforge_model.json"
     if not info.exists():
         return None
@@ -361,7 +374,33 @@ def _recorded_base(folder: Path) -> Path | None:
         return Path(base["path"])
     if base.get("kind") == "gguf" and base.get("path") and base.get("gguf_file"):
         return _gguf_folder(Path(base["path"]) / base["gguf_file"])
+    if base.get("kind") == "artifact_ref" and base.get("ref"):
+        from trainer.job import ArtifactRef
+
+        art = ArtifactRef.model_validate(base["ref"]).open()
+        ref_folder, adapter = _artifact_model(art, f"the base recorded in {info}")
+        return _merged_folder(art, ref_folder) if adapter else ref_folder
     return None
+
+
+def _merged_folder(art: Artifact, folder: Path) -> Path:
+    """An adapter artifact merged onto its own base, saved once (cached by artifact id) as a plain model folder."""
+    base = Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / "lmforge-models"
+    dest = base / f"merged-{art.kind}-{art.id}"
+    if (dest / "config.json").exists():
+        return dest
+    from trainer import models
+
+    tmp = base / f".merged-{uuid.uuid4().hex[:8]}"
+    log.info("merging the adapter of %s onto its base into %s", art.uri, dest)
+    model, tok = models.load_trained(folder, work_dir=tmp.with_name(tmp.name + "-work"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, dest)
+    except OSError:  # another process finished the same folder first
+        pass
+    return dest
 
 
 def _gguf_folder(gguf: Path) -> Path | None:
@@ -407,10 +446,16 @@ def _read_texts(art: Artifact, s: PerplexitySet, where: str, notes: list[str]) -
 
 
 def _read_pairs(art: Artifact, p: PreferenceEval, where: str, notes: list[str]) -> list[dict[str, str]]:
-    pairs = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in islice(_records(art, p.split), p.max_pairs)]
-    if p.max_pairs and len(pairs) < p.max_pairs:
-        notes.append(f"{p.name}: max_pairs {p.max_pairs} is more than the {len(pairs)} pairs of {art.kind}/{art.id}; "
-                     f"scored all {len(pairs)}")
+    """The first max_pairs pairs of the split, without those with chosen == rejected (nothing to prefer: a
+    tie would count as a loss for every model), which are counted in a note."""
+    read = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in islice(_records(art, p.split), p.max_pairs)]
+    pairs = [r for r in read if r["chosen"] != r["rejected"]]
+    if len(pairs) < len(read):
+        notes.append(f"{p.name}: {len(read) - len(pairs)} of {len(read)} pairs have chosen == rejected and are "
+                     "skipped")
+    if p.max_pairs and len(read) < p.max_pairs:
+        notes.append(f"{p.name}: max_pairs {p.max_pairs} is more than the {len(read)} pairs of {art.kind}/{art.id}; "
+                     f"read all {len(read)}")
     if not pairs:
         raise DataError(where, f"{art.uri} has no {p.split} preference pairs",
                         "Shard with validation_fraction > 0, or set split: train")
@@ -678,14 +723,37 @@ def _score_pairs(c: Collected, model: str, lm: "HFLM", cfg: EvalConfig, pairs: l
 
 
 def _preference_accuracy(c: Collected, pref: PreferenceEval, scored: list[str], n_pairs: int) -> None:
-    """Implicit DPO reward against the reference. The reward-model scorer (method: reward_model) goes here
-    once reward artifacts have a format: score chosen and rejected with the reward model instead."""
-    ref = c.pair_logprobs[pref.reference]
-    for model in scored:
-        c.scores[model][pref.name] = ev.implicit_reward_accuracy(c.pair_logprobs[model], ref, pref.beta)
+    """Policies: implicit DPO reward against the reference (their log-probs were gathered model by model)."""
+    if pref.reference is not None:
+        ref = c.pair_logprobs[pref.reference]
+        for model in scored:
+            c.scores[model][pref.name] = ev.implicit_reward_accuracy(c.pair_logprobs[model], ref, pref.beta)
     c.main_metric[pref.name] = MAIN_METRIC["preference"]
-    c.tasks[pref.name] = {"task": pref.name, "kind": "preference", "method": pref.method, "input": pref.input,
-                          "split": pref.split, "reference": pref.reference, "beta": pref.beta, "pairs": n_pairs}
+    c.tasks[pref.name] = {"task": pref.name, "kind": "preference", "input": pref.input, "split": pref.split,
+                          "reference": pref.reference, "beta": pref.beta, "pairs": n_pairs,
+                          "implicit_dpo": scored, "reward_models": list(pref.reward_models)}
+
+
+def _score_reward_models(c: Collected, cfg: EvalConfig, by_input: dict[str, Input], pairs: list[dict[str, str]],
+                         where: str) -> None:
+    """Each reward artifact scores chosen and rejected itself; its row is named after its stage."""
+    pref = cfg.preference
+    for stage in pref.reward_models:
+        folder = _reward_model_folder(by_input[stage], f"{where}preference.reward_models")
+        scores = ev.reward_model_scores(folder, pairs, batch_size=cfg.batch_size, device=cfg.device,
+                                        what=f"{stage}: {pref.name}")
+        c.scores[stage] = {pref.name: ev.reward_model_accuracy(scores)}
+        log.info("reward model %s: %s accuracy %.4f, mean margin %.4f", stage, pref.name,
+                 c.scores[stage][pref.name]["accuracy"], c.scores[stage][pref.name]["reward_margin"])
+
+
+def _reward_model_folder(art: Artifact, where: str) -> Path:
+    folder, adapter = _artifact_model(art, where)
+    info = json.loads((folder / "lmforge_model.json").read_text()) if (folder / "lmforge_model.json").exists() else {}
+    if adapter or info.get("kind") != "reward_model":
+        raise DataError(where, f"{art.uri} is not a reward model (lmforge_model.json kind: {info.get('kind')!r})",
+                        "list only stages of kind reward in reward_models")
+    return folder
 
 
 def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime | None = None) -> EvalResult:
@@ -698,7 +766,8 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
              for i, s in enumerate(cfg.perplexity)}
     pref = cfg.preference
     pairs = _read_pairs(by_input[pref.input], pref, f"{where}preference", c.notes) if pref else []
-    scored_pairs = [] if pref is None else (pref.models or [m for m in models if m != pref.reference])
+    scored_pairs = [] if pref is None or pref.reference is None else (
+        pref.models or [m for m in models if m != pref.reference])
     tm = None
     if cfg.tasks:
         sources = [SHIPPED_TASKS, *(Path(d).expanduser().resolve() for d in cfg.task_dirs)]
@@ -722,6 +791,7 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
         ev.free_lm()
     if pref is not None:
         _preference_accuracy(c, pref, scored_pairs, len(pairs))
+        _score_reward_models(c, cfg, by_input, pairs, where)
 
     gates = check_gates(cfg.gates, c.scores, c.higher_is_better)
     failed = [g for g in gates if not g["passed"]]
@@ -753,8 +823,11 @@ def output_port(cfg: EvalConfig, inputs: list[Port]) -> Port:
 
     for i, m in enumerate(cfg.models):
         if m.input is not None:
-            need(m.input, f"models[{i}].input", ports.get(m.input, Port("?")).type == "model",
-                 "a model (the output of a training stage)")
+            p = ports.get(m.input, Port("?"))
+            if p.type == "model" and p.data_kind == "reward":
+                raise ValueError(f"models[{i}].input {m.input!r} is a reward model, which scores text and does not "
+                                 "generate; list it in preference.reward_models instead")
+            need(m.input, f"models[{i}].input", p.type == "model", "a model (the output of a training stage)")
     for i, s in enumerate(cfg.perplexity):
         p = ports.get(s.input, Port("?"))
         need(s.input, f"perplexity[{i}].input", p.type in TEXT_PORTS and p.data_kind == "text",
@@ -763,6 +836,10 @@ def output_port(cfg: EvalConfig, inputs: list[Port]) -> Port:
         p = ports.get(cfg.preference.input, Port("?"))
         need(cfg.preference.input, "preference.input", p.type in TEXT_PORTS and p.data_kind == "preference",
              "preference shards or preference records")
+        for j, r in enumerate(cfg.preference.reward_models):
+            p = ports.get(r, Port("?"))
+            need(r, f"preference.reward_models[{j}]", p.type == "model" and p.data_kind == "reward",
+                 "a reward model (the output of a reward stage)")
     unused = [n for n in cfg.inputs if n not in used]
     if unused:
         raise ValueError(f"input(s) {', '.join(unused)} not used; name each in models (input:), perplexity or "

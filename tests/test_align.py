@@ -245,6 +245,52 @@ def test_dpo_lora_on_the_sft_model_counts_drops_and_generates(root, kinds_module
     assert client.get_run(run_id).data.metrics["dropped_prompt_too_long"] == LONG
 
 
+def test_eval_scores_reward_and_dpo_models_on_held_out_pairs(root, kinds_module):
+    """The eval stage's preference accuracy: the reward model by its own scores (formatted as RewardTrainer
+    formats pairs, so it equals the reward stage's exact held-out accuracy), the DPO policy by implicit reward
+    against the SFT model. Same stage configs as the tests above: cached when they ran first."""
+    lora = {"rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
+    ev = {"kind": "eval", "inputs": ["sft", "dpo", "rm", "shard_pairs"], "retries": 0, "batch_size": 8,
+          "models": [{"name": "sft", "input": "sft"}, {"name": "dpo", "input": "dpo"}],
+          "preference": {"input": "shard_pairs", "reference": "sft", "reward_models": ["rm"]}}
+    plan, _ = run_stages(root, kinds_module, {"rm": reward(method="full", max_steps=15),
+                                              "dpo": dpo(method="lora", max_steps=12, lora=lora), "eval": ev},
+                         ["rm", "dpo", "eval"])
+    rm, dpo_r, r = artifact(plan, "rm").result, artifact(plan, "dpo").result, artifact(plan, "eval").result
+    scores = r["eval"]
+    assert set(scores) == {"sft", "dpo", "rm"}
+    assert "preference" not in scores["sft"]  # the reference
+    # 20 validation records: 19 usable pairs and one with chosen == rejected, skipped and noted
+    assert "preference: 1 of 20 pairs have chosen == rejected and are skipped" in r["notes"]
+    task = next(t for t in r["tasks"] if t["task"] == "preference")
+    assert (task["pairs"], task["implicit_dpo"], task["reward_models"]) == (19, ["dpo"], ["rm"])
+    assert scores["rm"]["preference"]["accuracy"] == pytest.approx(rm["eval_reward_accuracy"], abs=1e-9)
+    assert scores["rm"]["preference"]["reward_margin"] == pytest.approx(rm["eval_margin"], rel=1e-4)
+    assert scores["dpo"]["preference"]["accuracy"] >= 0.9 and scores["dpo"]["preference"]["reward_margin"] > 0
+    assert dpo_r["eval_reward_accuracy"] >= 0.9
+
+
+def test_eval_rejects_a_reward_model_as_a_generating_model(root, kinds_module):
+    from lmforge.errors import ConfigError
+
+    ev = {"kind": "eval", "inputs": ["rm"], "models": [{"name": "rm", "input": "rm"}]}
+    with pytest.raises(ConfigError) as e:
+        make_plan(parse_config(pipeline(root, {"rm": reward(), "eval": ev}), kinds_module, root=root), kinds_module)
+    assert "models[0].input 'rm' is a reward model, which scores text and does not generate; list it in " \
+           "preference.reward_models instead" in str(e.value)
+    ev = {"kind": "eval", "inputs": ["sft", "shard_pairs"], "models": [{"name": "policy", "input": "sft"}],
+          "preference": {"input": "shard_pairs", "reward_models": ["sft"]}}
+    with pytest.raises(ConfigError) as e:
+        make_plan(parse_config(pipeline(root, {"eval": ev}), kinds_module, root=root), kinds_module)
+    assert "preference.reward_models[0] 'sft' is model; it needs a reward model (the output of a reward stage)" \
+        in str(e.value)
+    ev["models"] = [{"name": "sft", "input": "sft"}]  # a reward model's row is named after its stage
+    with pytest.raises(ConfigError) as e:
+        parse_config(pipeline(root, {"eval": ev}), kinds_module, root=root)
+    assert "stages.eval.preference: value error, reward_models sft: a reward model's row is named after its stage, " \
+           "and a model entry already has that name; rename the entry" in str(e.value)
+
+
 def test_dpo_full_trains_against_a_frozen_reference(root, kinds_module):
     import torch
     from safetensors.torch import load_file

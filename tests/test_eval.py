@@ -326,8 +326,8 @@ def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds
     assert r.eval["seven"]["preference"]["reward_margin"] > 0 > r.eval["five"]["preference"]["reward_margin"]
     assert "preference" not in r.eval["base"]  # the reference is not scored against itself
     assert [t for t in r.tasks if t["task"] == "preference"] == [
-        {"task": "preference", "kind": "preference", "method": "implicit_dpo", "input": "ingest",
-         "split": "validation", "reference": "base", "beta": 0.1, "pairs": 4}]
+        {"task": "preference", "kind": "preference", "input": "ingest", "split": "validation", "reference": "base",
+         "beta": 0.1, "pairs": 4, "implicit_dpo": ["seven", "five"], "reward_models": []}]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,7 +504,8 @@ def test_unknown_task_and_missing_column(tmp_path, models):
                             tasks=["lmforge_arith_mc", "lmforge_arith_mcq"]), [], out)
     assert e.value.problems == [
         "tasks[1]: lm-eval does not know task 'lmforge_arith_mcq' (did you mean 'lmforge_arith_mc'?). Tasks in the "
-        "task folders: lmforge_arith_gen, lmforge_arith_ll, lmforge_arith_mc; others come from lm-eval (`lm-eval ls "
+        "task folders: lmforge_arith_gen, lmforge_arith_ll, lmforge_arith_ll_chat, lmforge_arith_mc; others come "
+        "from lm-eval (`lm-eval ls "
         "tasks`). Add the folder with its YAML to task_dirs, or fix the name"]
 
     tasks_dir = write_task_dir(tmp_path / "bad_tasks", missing_column="question")

@@ -6,6 +6,8 @@
   `HFLM.loglikelihood_rolling` (the code path of lm-eval's perplexity tasks such as wikitext).
 - `continuation_logprobs` / `implicit_reward_accuracy`: held-out preference accuracy of a policy
   against a reference model (DPO's implicit reward).
+- `reward_model_scores` / `reward_model_accuracy`: held-out preference accuracy of a reward model
+  (a `reward` stage's artifact), by its scores of chosen and rejected.
 - `generate`: greedy control generations.
 - `prepare_task_dirs` / `task_manager` / `check_tasks` / `run_tasks`: lm-eval tasks from YAML folders,
   with data paths made absolute, checked before any model loads, run by `lm_eval.simple_evaluate`.
@@ -198,12 +200,62 @@ def implicit_reward_accuracy(policy: PairLogprobs, reference: PairLogprobs, beta
     when r(chosen) > r(rejected) strictly (a tie, e.g. policy == reference, is not a win)."""
     margins = [beta * ((pc - rc) - (pr - rr)) for pc, rc, pr, rr in
                zip(policy.chosen, reference.chosen, policy.rejected, reference.rejected, strict=True)]
+    return preference_metrics(margins)
+
+
+def preference_metrics(margins: Sequence[float]) -> dict[str, float]:
+    """accuracy (share of pairs with margin > 0: a tie is not a win), mean reward_margin, and their stderrs."""
     acc, acc_se = mean_and_stderr([1.0 if m > 0 else 0.0 for m in margins])
     margin, margin_se = mean_and_stderr(margins)
     out = {"accuracy": acc, "reward_margin": margin}
     if acc_se is not None:
         out.update({"accuracy_stderr": acc_se, "reward_margin_stderr": margin_se})
     return out
+
+
+def reward_model_scores(folder: Path, pairs: Sequence[dict[str, str]], *, batch_size: int, device: str | None = None,
+                        what: str = "reward model") -> PairLogprobs:
+    """Reward-model scores of (prompt + chosen, prompt + rejected) for each pair, formatted the way TRL's
+    RewardTrainer formats its training pairs: with the tokenizer's chat template (a user turn and an
+    assistant turn) when it has one, else prompt + response + EOS as plain text. The reward is the score
+    head's output at the last non-pad token (the model pads on the right with its pad_token_id)."""
+    import torch
+
+    from trainer.reward import load_reward_model
+
+    model, tok = load_reward_model(folder)
+    device = device or default_device()
+    model.to(device).eval()
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    chat = bool(tok.chat_template)
+
+    def ids(prompt: str, response: str) -> list[int]:
+        if chat:
+            out = tok.apply_chat_template([{"role": "user", "content": prompt},
+                                           {"role": "assistant", "content": response}], tokenize=True, return_dict=True)
+            return list(out["input_ids"])
+        eos = tok.eos_token or ""
+        return tok(prompt + response + ("" if response.endswith(eos) else eos))["input_ids"]
+
+    texts = [ids(r["prompt"], r["chosen"]) for r in pairs] + [ids(r["prompt"], r["rejected"]) for r in pairs]
+    scores: list[float] = []
+    progress = Progress(log, what, total=len(texts), unit="sequences")
+    for i in range(0, len(texts), batch_size):
+        batch = tok.pad({"input_ids": texts[i:i + batch_size]}, return_tensors="pt").to(device)
+        with torch.no_grad():
+            scores += model(**batch).logits[:, 0].float().tolist()
+        progress.update(len(texts[i:i + batch_size]))
+    progress.done()
+    del model
+    free_lm()
+    return PairLogprobs(scores[:len(pairs)], scores[len(pairs):])
+
+
+def reward_model_accuracy(scores: PairLogprobs) -> dict[str, float]:
+    """Preferred when score(chosen) > score(rejected); the margin is in the reward model's units."""
+    return preference_metrics([c - r for c, r in zip(scores.chosen, scores.rejected, strict=True)])
 
 
 # ----------------------------------------------------------------------------------------------
