@@ -414,7 +414,9 @@ def test_training_metrics_land_on_the_stages_mlflow_run(root, kinds_module):
     from lmforge.tracking import Tracker
 
     tracker = Tracker(f"sqlite:///{root / 'mlflow-metrics.db'}", "train")
-    stage = sft(method="lora", max_steps=6, logging_steps=2, lora={"target_modules": "all-linear"})
+    prompts = ["What is 2 plus 3?", "What is 7 plus 1?"]
+    stage = sft(method="lora", max_steps=6, logging_steps=2, lora={"target_modules": "all-linear"},
+                control_prompts=prompts, control_max_new_tokens=6)
     plan, out = run_stages(root, kinds_module, {"tracked": stage}, ["tracked"], tracker=tracker)
     run_id = out["tracked"]["mlflow_run_id"]
     client = tracker.client
@@ -433,6 +435,19 @@ def test_training_metrics_land_on_the_stages_mlflow_run(root, kinds_module):
     run = client.get_run(run_id)
     assert run.data.metrics["steps"] == 6 and run.data.tags["lmforge.stage"] == "tracked"
     assert run.info.status == "FINISHED"
+    # the generations check: before (the seeded config model) and after (the reloaded artifact), side by side
+    from trainer import generations, models
+
+    table = generations.read_logged(client, run_id)
+    assert table["prompt"] == prompts and len(table["before"]) == len(table["after"]) == 2
+    model, tok = models.load_trained(Path(artifact(plan, "tracked").path))
+    assert table["after"] == generations.generate(model, tok, prompts, 6)
+    md = client.download_artifacts(run_id, "generations/control.md", str(root / "gen-md"))
+    assert "| What is 2 plus 3? |" in Path(md).read_text()
+    # the prompts are run-only: changing them reuses the artifact
+    plan2 = make_plan(parse_config(pipeline(root, {"tracked": {**stage, "control_prompts": []}}), kinds_module,
+                                   root=root), kinds_module)
+    assert plan2.stages["tracked"].artifact_id == plan.stages["tracked"].artifact_id
 
 
 # ----------------------------------------------------------------------------------------------

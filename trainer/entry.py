@@ -60,6 +60,17 @@ def _write(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _generations_check(spec: JobSpec) -> None:
+    """Before/after generations on the control prompts (trainer.generations); a failure here is logged, never
+    fatal: the trained artifact is already complete."""
+    from trainer import generations
+
+    try:
+        generations.control_check(spec)
+    except Exception as e:  # noqa: BLE001
+        log.warning("generations check skipped: %s: %s", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path = Path(argv[0])
@@ -71,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = recipe_module(spec.method)
         result = recipe.train(spec)
         if rank() == 0:
+            _generations_check(spec)
             _write(work / "result.json", result)
         return 0
     except SettingError as e:
