@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -52,6 +53,30 @@ def _input_entry(ctx: RunContext, name: str) -> dict[str, Any]:
     return {"name": name, "type": "artifact", "kind": sp.kind, "artifact_id": sp.artifact_id, "uri": sp.uri}
 
 
+def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: str | None) -> None:
+    """A model artifact becomes a version of the registered model named after the pipeline, tagged with its
+    lineage, and the alias `<stage>` points at it (`models:/<pipeline>@<stage>`). The version's source is the
+    artifact in the store: the weights are not copied. Idempotent: a cached rerun moves the alias only."""
+    if ctx.tracker is None or sp.port is None or sp.port.type != "model":
+        return
+    result = artifact.result or {}
+    tags = {**_stage_tags(ctx, sp), "lmforge.pipeline": ctx.plan.cfg.name,
+            "lmforge.config_hash": ctx.plan.cfg.config_hash(), "lmforge.model_kind": sp.port.data_kind or "policy",
+            "lmforge.method": sp.settings.get("method", ""), "lmforge.base_model": result.get("base_model", ""),
+            "lmforge.source_run_id": artifact.manifest.get("produced_by", {}).get("mlflow_run_id", "") or "",
+            "lmforge.git_commit": artifact.manifest.get("git_commit", "") or ""}
+    alias = sp.name if not re.fullmatch(r"(?i)latest|v\d+", sp.name) else f"stage-{sp.name}"
+    try:
+        version = ctx.tracker.register_model(ctx.plan.cfg.name, artifact.uri, run_id, tags, alias,
+                                             description=f"{sp.kind} stage {sp.name}: {artifact.uri}")
+    except Exception as e:  # noqa: BLE001  the artifact is stored; the registry is a view of it
+        log.warning("stage %s: could not register the model in MLflow: %s", sp.name, str(e).splitlines()[0])
+        return
+    if run_id:
+        ctx.tracker.set_tags(run_id, {"lmforge.registered_model": f"{ctx.plan.cfg.name}/{version}"})
+    log.info("stage %s: registered as model %s version %s (alias @%s)", sp.name, ctx.plan.cfg.name, version, alias)
+
+
 def _load_inputs(ctx: RunContext, sp: StagePlan) -> list[DatasetInput | Artifact]:
     out: list[DatasetInput | Artifact] = []
     for name in sp.inputs:
@@ -78,6 +103,8 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                                   ctx.parent_run_id)
             tr.log_params(run_id, sp.settings)
             tr.log_metrics(run_id, numeric_leaves(existing.result))
+            if not existing.manifest.get("failure"):
+                _register_model(ctx, sp, existing, run_id)
             tr.end_run(run_id, "FAILED" if existing.manifest.get("failure") else "FINISHED")
         store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
         if existing.manifest.get("failure"):
@@ -133,6 +160,7 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
         if tr:
             tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
             if failure is None:
+                _register_model(ctx, sp, artifact, run_id)
                 tr.end_run(run_id)
         if failure is not None:
             raise failure

@@ -153,6 +153,30 @@ class Tracker:
         with self.lock:
             self.client.log_text(run_id, redact(text), path)
 
+    def register_model(self, name: str, source: str, run_id: str | None, tags: dict[str, Any], alias: str,
+                       description: str = "") -> str:
+        """A version of registered model `name` for the artifact at `source` (once: a version with the same
+        lmforge.artifact_id is reused), with lineage tags, and `alias` pointing at it. Returns the version."""
+        from mlflow.exceptions import MlflowException
+
+        with self.lock:
+            tags = {k: redact(str(v))[:MAX_PARAM] for k, v in tags.items()}
+            try:
+                self.client.create_registered_model(name, tags={"lmforge.pipeline": name}, description=description)
+            except MlflowException as e:
+                if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
+                    raise
+            artifact_id = tags.get("lmforge.artifact_id", "")
+            found = [v for v in self.client.search_model_versions(f"name='{name}'")
+                     if v.tags.get("lmforge.artifact_id") == artifact_id and v.source == source]
+            if found:
+                version = found[0].version
+            else:
+                version = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags,
+                                                           description=description).version
+            self.client.set_registered_model_alias(name, alias, str(version))
+            return str(version)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         with self.lock:
             self.client.set_terminated(run_id, status=status)
