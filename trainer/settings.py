@@ -96,3 +96,109 @@ class DpoSettings(TrainSettings):
                         "higher keeps it closer.")
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
         "sigmoid", description="DPO loss: sigmoid (the DPO paper), ipo, hinge or robust.")
+
+
+# ----------------------------------------------------------------------------------------------
+# grpo stage (GRPO and RLOO); the reward functions it names live in trainer/rewards.py (plain Python)
+
+from typing import Annotated, Any  # noqa: E402  (kept with the grpo settings, which alone use them)
+
+from pydantic import BeforeValidator, ValidationInfo, field_validator  # noqa: E402
+from pydantic_core import PydanticCustomError  # noqa: E402
+
+
+def _importable_reward_function(v: Any) -> Any:
+    """`"module:fn"` or `{function: "module:fn", weight: w}`; the function is imported now, so a bad name
+    fails when the config is parsed, at `stages.<name>.reward_functions[i]`."""
+    from trainer.rewards import RewardFunctionError, load_reward_function
+
+    if isinstance(v, str):
+        v = {"function": v}
+    if isinstance(v, dict) and isinstance(v.get("function"), str):
+        try:
+            load_reward_function(v["function"])
+        except RewardFunctionError as e:
+            raise PydanticCustomError("reward_function", "{problem}", {"problem": str(e)}) from None
+    return v
+
+
+class RewardFunctionRef(BaseModel):
+    """One entry of `reward_functions:`; a plain string is `function` with weight 1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    function: str = Field(description="Import path module:function of a reward function fn(prompts, completions, "
+                          "**kwargs) -> list[float | None], e.g. trainer.rewards:sum_correct.")
+    weight: float = Field(1.0, description="Weight of this function's reward in the total reward.")
+
+
+class GrpoSettings(TrainSettings):
+    """Every setting of a grpo stage (algorithm grpo or rloo) but kind and inputs."""
+
+    algorithm: Literal["grpo", "rloo"] = Field(
+        "grpo", description="grpo: advantages are rewards normalized within each prompt's group of completions "
+        "(TRL GRPOTrainer); rloo: advantages against the leave-one-out mean of the other completions (TRL "
+        "RLOOTrainer).")
+    reward_functions: list[Annotated[RewardFunctionRef, BeforeValidator(_importable_reward_function)]] = Field(
+        default_factory=list, description="Reward functions by import path, each a string or {function, weight}; "
+        "shipped: trainer.rewards:sum_correct, answer_match, one_sentence. With a reward stage among the inputs "
+        "its score is added too; at least one reward is required.")
+    reward_model_weight: float = Field(1.0, description="Weight of the reward model's score (a reward stage among "
+                                       "the inputs) in the total reward.")
+    num_generations: int = Field(
+        4, ge=2, validate_default=True, description="Completions sampled per prompt (the group the advantages "
+        "compare). batch_size_per_device counts completions, so a step trains on batch_size_per_device * "
+        "grad_accumulation_steps / num_generations prompts per process.")
+    max_completion_tokens: int = Field(
+        32, gt=0, validate_default=True, description="Longest sampled completion, in tokens. Prompts longer than "
+        "max_length_tokens - max_completion_tokens are skipped and counted.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the training completions.")
+    beta: float = Field(0.04, ge=0, description="KL coefficient against the starting policy (LoRA: the adapter "
+                        "disabled; full: a frozen copy). 0: no KL term and no reference model.")
+    epsilon: float = Field(0.2, gt=0, description="Clipping range of the policy ratio.")
+    num_iterations: int = Field(1, ge=1, description="Optimizer passes over each batch of sampled completions.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="grpo only: divide advantages by the reward std of the group, of the batch, or not "
+        "at all (Dr. GRPO).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "dapo", description="grpo only: how token losses are averaged (TRL loss_type).")
+    normalize_advantages: bool = Field(False, description="rloo only: normalize advantages to mean 0 and std 1 "
+                                       "per batch.")
+    max_validation_prompts: int | None = Field(
+        None, gt=0, description="Held-out check: score greedy completions of at most this many distinct validation "
+        "prompts, from the starting and the trained policy (all of them when unset).")
+
+    @field_validator("num_generations")
+    @classmethod
+    def _groups_fit_a_step(cls, v: int, info: ValidationInfo) -> int:
+        d = info.data
+        if not all(k in d for k in ("batch_size_per_device", "grad_accumulation_steps", "launcher", "nproc_per_node")):
+            return v  # reported at those fields
+        procs = d["nproc_per_node"] * d.get("nnodes", 1) if d["launcher"] != "local" else 1
+        per_step = d["batch_size_per_device"] * d["grad_accumulation_steps"] * procs
+        if per_step % v:
+            raise PydanticCustomError(
+                "grpo_settings", "{problem}", {"problem": (
+                    f"batch_size_per_device * grad_accumulation_steps * processes = {per_step} completions per step "
+                    f"is not a multiple of num_generations {v}: each prompt's group of completions must fit in one "
+                    "step; change batch_size_per_device or num_generations")})
+        return v
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _room_for_the_prompt(cls, v: int, info: ValidationInfo) -> int:
+        limit = info.data.get("max_length_tokens")
+        if limit is not None and v >= limit:
+            raise PydanticCustomError("grpo_settings", "{problem}", {"problem": (
+                f"leaves no room for the prompt in max_length_tokens {limit}; lower it or raise max_length_tokens")})
+        return v
+
+    @field_validator("scale_rewards", "loss_type", "normalize_advantages")
+    @classmethod
+    def _for_its_algorithm(cls, v: Any, info: ValidationInfo) -> Any:
+        only = {"scale_rewards": "grpo", "loss_type": "grpo", "normalize_advantages": "rloo"}[info.field_name]
+        algorithm = info.data.get("algorithm")
+        if algorithm is not None and algorithm != only and v != cls.model_fields[info.field_name].default:
+            raise PydanticCustomError("grpo_settings", "{problem}", {"problem": (
+                f"applies to algorithm {only} only (algorithm is {algorithm}); remove it")})
+        return v
