@@ -202,3 +202,45 @@ class GrpoSettings(TrainSettings):
             raise PydanticCustomError("grpo_settings", "{problem}", {"problem": (
                 f"applies to algorithm {only} only (algorithm is {algorithm}); remove it")})
         return v
+
+
+from pydantic import ValidationInfo as _Info, field_validator as _field_validator  # noqa: E402  (pretrain settings)
+
+
+class PretrainSettings(TrainSettings):
+    """Every setting of a pretrain stage but kind and inputs."""
+
+    method: Literal["full"] = Field("full", description="Pretraining trains every weight (full); the output is a "
+                                    "full model.")
+    evaluate: bool = Field(True, description="Loss and perplexity on the validation split before and after "
+                           "training.")
+    streaming: bool = Field(True, validate_default=True, description="Read the train shards as an endless stream, "
+                            "split by rank and DataLoader worker, tokenized and packed on the fly (needs max_steps); "
+                            "false: pack the whole split in memory first and train for epochs.")
+    num_workers: int = Field(1, ge=0, description="DataLoader worker processes that read, tokenize and pack (0: in "
+                             "the training process). Streaming splits the shards by worker, so it is part of the id.")
+    prefetch_factor: int = Field(4, gt=0, description="Batches each worker prepares ahead (num_workers > 0).")
+    pin_memory: bool = Field(True, description="Page-locked batches for faster copies to the GPU; ignored on CPU.")
+    shuffle_buffer_rows: int = Field(1000, ge=0, description="Streaming: the shard order is reshuffled every pass "
+                                     "and packed rows are shuffled in a buffer of this many; 0 reads in order.")
+
+    #: prefetching and pinning change the speed, never the batches
+    RUN_ONLY: ClassVar[frozenset[str]] = TrainSettings.RUN_ONLY | frozenset({"prefetch_factor", "pin_memory"})
+
+    @_field_validator("streaming")
+    @classmethod
+    def _stream_bounds(cls, v: bool, info: _Info) -> bool:
+        if v and "max_steps" in info.data and info.data["max_steps"] is None:
+            raise ValueError("streaming reads the shards as an endless stream of unknown length: set max_steps, or "
+                             "streaming: false to train for epochs over the split packed in memory")
+        if v and info.data.get("max_train_records") is not None:
+            raise ValueError("max_train_records applies to streaming: false only; with streaming, max_steps bounds "
+                             "the data read")
+        return v
+
+    @_field_validator("lora")
+    @classmethod
+    def _no_lora(cls, v: LoraSettings) -> LoraSettings:
+        if v != LoraSettings():
+            raise ValueError("pretrain trains every weight (method full); remove lora")
+        return v
