@@ -138,7 +138,7 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
             res = models.resolve(base_model, spec.model, work, verify=False)
             info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
             log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)
-            return launch.run(spec, launcher=cfg.launcher, nproc_per_node=cfg.nproc_per_node)
+            return launch.run(spec, root=runtime.root)  # launcher, processes, deepspeed/fsdp: from the settings
     except SettingError as e:
         raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
 

@@ -1,23 +1,36 @@
 """Run a training job in a child process and bring back its result or its error.
 
-    local     python -m trainer.entry <spec.json>
-    torchrun  python -m torch.distributed.run --standalone --nproc_per_node N -m trainer.entry <spec.json>
+    local      python -m trainer.entry <spec.json>
+    torchrun   python -m torch.distributed.run --standalone --nproc-per-node N -m trainer.entry <spec.json>
+               several nodes (run the same stage on each):
+               ... --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint host:port --rdzv-id <id> ...
+    deepspeed  python -m deepspeed.launcher.runner --num_gpus N --master_port <free> --no_local_rank
+               --module trainer.entry <spec.json>      (one node; DeepSpeed's own launcher)
+
+The launch settings (launcher, nproc_per_node, nnodes, rdzv_endpoint) and the sharding (deepspeed, fsdp) come
+from the stage's settings; `trainer.distributed.prepare` checks their combination, the precision and the
+hardware here, before any process starts, and replaces a deepspeed/fsdp preset or file (relative to the
+project root) by its content. DeepSpeed and FSDP run under torchrun too (DeepSpeed ZeRO-2/3 on CPU with gloo).
 
 The child is a fresh interpreter: GPU memory is freed when it exits, a crash stays contained, and the
 same command scales to more GPUs. Before it starts, the newest complete checkpoint is downloaded
 from the stage's checkpoint URI, so the child resumes from it. The child's output streams into this
 process's log line by line (logger `trainer.child`). It writes `result.json` (rank 0) or
 `error-<rank>.json`; a setting error comes back as `SettingError` naming the field, anything else as
-`TrainingError` with the exit status, the child's error and the tail of its log.
+`TrainingError` with the exit status, the child's error and the tail of its log. A SIGTERM to the stage goes
+to every training process (not to torchrun or the DeepSpeed launcher, which would kill them before they
+checkpoint), so each rank saves and stops at the end of its step.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +40,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer import checkpoint
+from trainer import checkpoint, distributed
 from trainer.errors import Preempted, SettingError, TrainingError
 from trainer.job import JobSpec
 
@@ -52,20 +65,44 @@ def work_dir(stage: str, artifact_id: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def command(launcher: str, nproc_per_node: int, spec_path: Path) -> list[str]:
+def command(launcher: str, nproc_per_node: int, spec_path: Path, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
+            rdzv_id: str = "lmforge", master_port: int | None = None) -> list[str]:
+    """The command line that starts the training processes of one node."""
+    entry = ["-m", "trainer.entry", str(spec_path)]
     if launcher == "local":
-        if nproc_per_node != 1:
+        if nproc_per_node != 1 or nnodes != 1:
             raise SettingError("nproc_per_node", f"launcher local runs one process, got nproc_per_node "
-                               f"{nproc_per_node}; set launcher: torchrun for more")
-        return [sys.executable, "-m", "trainer.entry", str(spec_path)]
+                               f"{nproc_per_node} and nnodes {nnodes}; set launcher: torchrun for more")
+        return [sys.executable, *entry]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}",
-                "-m", "trainer.entry", str(spec_path)]
-    raise SettingError("launcher", f"unknown launcher {launcher!r}; expected local or torchrun")
+        if rdzv_endpoint:  # every node runs this same command and meets the others there
+            where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                     f"--rdzv-id={rdzv_id}"]
+        elif nnodes == 1:
+            where = ["--standalone"]
+        else:
+            raise SettingError("rdzv_endpoint", f"nnodes {nnodes} needs a rendezvous endpoint host:port that every "
+                               "node reaches, e.g. the first node's address 10.0.0.1:29400")
+        return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc_per_node}", *entry]
+    if launcher == "deepspeed":
+        if nnodes != 1:
+            raise SettingError("launcher", f"nnodes {nnodes} needs launcher torchrun (one torchrun per node, meeting at "
+                               "rdzv_endpoint); DeepSpeed's launcher needs ssh and a hostfile for several nodes")
+        return [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={nproc_per_node}",
+                f"--master_port={master_port or free_port()}", "--no_local_rank", "--module", "trainer.entry",
+                str(spec_path)]
+    raise SettingError("launcher", f"unknown launcher {launcher!r}; expected local, torchrun or deepspeed")
 
 
-def child_env() -> dict[str, str]:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(extra or {})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -73,17 +110,33 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run(spec: JobSpec, *, launcher: str = "local", nproc_per_node: int = 1) -> dict[str, Any]:
-    """Run the job to completion; returns the child's result dict."""
+def run(spec: JobSpec, *, root: Path | None = None, launcher: str | None = None,
+        nproc_per_node: int | None = None) -> dict[str, Any]:
+    """Run the job to completion; returns the child's result dict.
+
+    Launch settings come from `spec.settings` (launcher, nproc_per_node, nnodes, rdzv_endpoint, deepspeed, fsdp);
+    `launcher` / `nproc_per_node` override them. `root` is the project root that a deepspeed/fsdp file path is
+    relative to. A combination this machine cannot run raises SettingError before any process starts."""
+    settings = dict(spec.settings)
+    if launcher is not None:
+        settings["launcher"] = launcher
+    if nproc_per_node is not None:
+        settings["nproc_per_node"] = nproc_per_node
+    capability = distributed.device_capability()
+    settings = distributed.prepare(settings, root, capability)
     work = Path(spec.work_dir)
     restored = checkpoint.restore_latest(spec.checkpoint_uri, work / "resume")
+    spec = spec.model_copy(update={"settings": settings})
     if restored is not None:
         spec = spec.model_copy(update={"resume_from": str(restored[0]), "resume_step": restored[1]})
     spec_path = work / "spec.json"
     spec.write(spec_path)
-    cmd = command(launcher, nproc_per_node, spec_path)
+    rdzv_id = "lmforge-" + hashlib.sha256(spec.checkpoint_uri.encode()).hexdigest()[:16]  # the same on every node
+    cmd = command(settings.get("launcher", "local"), int(settings.get("nproc_per_node", 1)), spec_path,
+                  nnodes=int(settings.get("nnodes", 1)), rdzv_endpoint=settings.get("rdzv_endpoint"), rdzv_id=rdzv_id)
+    env = child_env(distributed.child_env(cuda=capability is not None))
     log.info("stage %s: training in a child process: %s", spec.stage, " ".join(cmd))
-    proc = subprocess.Popen(cmd, cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, errors="replace")
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     with _forward_sigterm(proc):
@@ -105,16 +158,49 @@ def _level(line: str) -> int:
     return LEVELS.get(head, logging.INFO)
 
 
+def training_processes(proc) -> list:
+    """The processes running trainer.entry as their main module: `proc` itself (launcher local) or the ranks that
+    torchrun / the DeepSpeed launcher started (their DataLoader workers and the launchers are left out)."""
+    import psutil
+
+    def is_entry(p) -> bool:
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:
+            return False
+        return "-m" in cmd and cmd.index("-m") + 1 < len(cmd) and cmd[cmd.index("-m") + 1] == "trainer.entry"
+
+    try:
+        top = psutil.Process(proc.pid)
+        tree = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    found = [p for p in tree if is_entry(p)]
+    pids = {p.pid for p in found}
+    return [p for p in found if p.ppid() not in pids]  # forked DataLoader workers share their rank's command line
+
+
+def stop_training(proc) -> list[int]:
+    """SIGTERM to every training process of the launched `proc` (each rank checkpoints at the end of its step and
+    stops); returns their pids."""
+    ranks = training_processes(proc) or [proc]
+    for p in ranks:
+        with contextlib.suppress(Exception):  # already gone
+            p.send_signal(signal.SIGTERM)
+    return [p.pid for p in ranks]
+
+
 @contextlib.contextmanager
 def _forward_sigterm(proc: subprocess.Popen) -> Iterator[None]:
-    """A SIGTERM to this process (a cancelled stage) goes to the child, which checkpoints and stops."""
+    """A SIGTERM to this process (a cancelled stage) goes to every training process, which checkpoints and stops.
+    Not to torchrun or the DeepSpeed launcher: they would kill the ranks (after 30 s, or at once) mid-checkpoint."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def forward(signum, frame):  # noqa: ARG001
-        log.warning("SIGTERM: asking the training process %d to checkpoint and stop", proc.pid)
-        proc.send_signal(signal.SIGTERM)
+        pids = stop_training(proc)
+        log.warning("SIGTERM: asked the training process(es) %s to checkpoint and stop", ", ".join(map(str, pids)))
 
     previous = signal.signal(signal.SIGTERM, forward)
     try:

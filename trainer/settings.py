@@ -6,9 +6,9 @@ launch); each method adds its own fields in one flat subclass (`SftSettings`, la
 """
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainer.models import LoraSettings, Method, ModelSource
 
@@ -27,7 +27,10 @@ class TrainSettings(BaseModel):
     lora: LoraSettings = Field(default_factory=LoraSettings, description="Adapter settings (lora, qlora).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the base weights are loaded in (and QLoRA's compute dtype); float32 on CPU.")
-    bf16: bool = Field(False, description="bf16 mixed precision (GPUs from Ampere on); keep false on CPU.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Mixed precision. auto: bf16 on CUDA GPUs from Ampere on (compute capability 8.0+), "
+        "fp16 with a dynamic loss scaler on older GPUs, fp32 on CPU. bf16 on CPU is torch's CPU autocast (fast only "
+        "with AMX / AVX512-BF16; refused with deepspeed); fp16 needs a CUDA GPU. See trainer/distributed.py.")
     max_length_tokens: int = Field(1024, gt=0, description="Longest training sequence in tokens; longer ones are "
                                    "truncated. Must fit the model's max_position_embeddings.")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps to train; overrides epochs.")
@@ -54,9 +57,27 @@ class TrainSettings(BaseModel):
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept in the store; older ones are "
                                   "deleted.")
     logging_steps: int = Field(10, gt=0, description="Log metrics every this many optimizer steps.")
-    launcher: Literal["local", "torchrun"] = Field("local", description="local: one training process; torchrun: "
-                                                   "nproc_per_node processes with DDP (gloo on CPU).")
-    nproc_per_node: int = Field(1, gt=0, description="Training processes (GPUs) with launcher torchrun.")
+    launcher: Literal["local", "torchrun", "deepspeed"] = Field(
+        "local", description="local: one training process; torchrun: nproc_per_node processes per node, DDP (gloo on "
+        "CPU) unless deepspeed or fsdp shards them, nnodes > 1 meet at rdzv_endpoint; deepspeed: DeepSpeed's own "
+        "launcher on one node (needs deepspeed).")
+    nproc_per_node: int = Field(1, gt=0, description="Training processes per node (one per GPU) with launcher "
+                                "torchrun or deepspeed.")
+    nnodes: int = Field(1, gt=0, description="Machines training together (launcher torchrun): run the same stage on "
+                        "each; they meet at rdzv_endpoint. The global batch is batch_size_per_device x "
+                        "grad_accumulation_steps x nproc_per_node x nnodes.")
+    rdzv_endpoint: str | None = Field(None, pattern=r"^\S+:\d+$", description="host:port of the torchrun rendezvous "
+                                      "that every node reaches (e.g. the first node, 10.0.0.1:29400); needed with "
+                                      "nnodes > 1. Unset: a standalone single-node rendezvous.")
+    deepspeed: str | dict[str, Any] | None = Field(
+        None, description="DeepSpeed ZeRO: a preset (zero2, zero2_offload, zero3, zero3_offload: "
+        "configs/deepspeed/), a JSON file relative to the project root, or an inline mapping. Batch sizes, clipping "
+        "and bf16/fp16 stay \"auto\" (filled from these settings); no optimizer/scheduler sections. Needs launcher "
+        "torchrun or deepspeed; runs on CPU under torchrun (gloo).")
+    fsdp: str | dict[str, Any] | None = Field(
+        None, description="PyTorch FSDP, CUDA GPUs only: a preset (full_shard: configs/fsdp/), an accelerate config "
+        "file (YAML/JSON; its fsdp_config block) or an inline fsdp_config mapping. Needs launcher torchrun; not "
+        "with deepspeed.")
     control_prompts: list[str] = Field(
         default_factory=lambda: list(DEFAULT_CONTROL_PROMPTS),
         description="After training, the model before and after answer these prompts (greedy) side by side: a "
@@ -67,7 +88,15 @@ class TrainSettings(BaseModel):
     #: model it produces; training stages keep them out of their artifact id
     RUN_ONLY: ClassVar[frozenset[str]] = frozenset({
         "checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "logging_steps", "launcher",
-        "control_prompts", "control_max_new_tokens"})
+        "rdzv_endpoint", "control_prompts", "control_max_new_tokens"})
+
+    @field_validator("deepspeed", "fsdp", mode="before")
+    @classmethod
+    def _known_preset(cls, v: Any, info) -> Any:
+        """A preset name must exist (checked now); a file is read, and checked, when the stage starts."""
+        from trainer.distributed import check_preset_name
+
+        return check_preset_name(info.field_name, v)
 
 
 class SftSettings(TrainSettings):

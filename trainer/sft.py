@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer import chat_templates, checkpoint, data, models
+from trainer import chat_templates, checkpoint, data, distributed, models
 from trainer.args import training_args
 from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import MetricsCallback, peak_memory_mb
@@ -74,7 +74,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
 
     # 7. result
     losses = [h["loss"] for h in state.log_history if "loss" in h]  # includes steps before a resume
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = distributed.parameter_count(model)  # also under ZeRO-3, where a shard's numel() is 0
     quantized = models.count_4bit_layers(model) if s.method == "qlora" else 0
     return {
         "method": s.method,
