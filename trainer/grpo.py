@@ -52,6 +52,7 @@ RL_LOG_KEYS = {
     "frac_reward_zero_std": "train/frac_reward_zero_std",
 }
 REWARD_MODEL_NAME = "reward_model"
+RM_BATCH = 32  # completions per reward-model forward pass in the held-out check
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +172,9 @@ def load_rewards(s: GrpoSettings, spec: JobSpec, work: Path) -> Rewards:
     if spec.reward_model is not None:
         rm, rm_tok = load_reward_model(materialize(spec.reward_model, work))
         rm.eval().requires_grad_(False)
+        if rm_tok.pad_token is None:
+            rm_tok.pad_token = rm_tok.eos_token
+        rm.config.pad_token_id = rm_tok.pad_token_id  # the score is read at the last non-pad token (as TRL sets it)
         funcs.append(rm)
         names.append(REWARD_MODEL_NAME)
         weights.append(s.reward_model_weight)
@@ -184,7 +188,7 @@ def load_rewards(s: GrpoSettings, spec: JobSpec, work: Path) -> Rewards:
 
 def score(rewards: Rewards, prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:
-    """(total reward per completion, {name: values}) exactly as the trainers compute them: each function
+    """(total reward per completion, {name: values}) the way the trainers compute them: each function
     called with TRL's arguments, the reward model on prompt + completion, NaN for "not scored", the total a
     weighted sum over the scored ones (NaN when none scored)."""
     import torch
@@ -198,10 +202,13 @@ def score(rewards: Rewards, prompts: list, completions: list, completion_ids: li
                          for p, c in zip(prompts, completions, strict=True)]
             else:
                 texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-            enc = proc(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
             device = next(fn.parameters()).device
-            with torch.inference_mode():
-                per[name] = fn(**enc.to(device)).logits[:, 0].float().tolist()
+            per[name] = []
+            for i in range(0, len(texts), RM_BATCH):
+                enc = proc(text=texts[i:i + RM_BATCH], return_tensors="pt", padding=True, padding_side="right",
+                           add_special_tokens=False)
+                with torch.inference_mode():
+                    per[name] += fn(**enc.to(device)).logits[:, 0].float().tolist()
         else:
             out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=None,
                      log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None, **columns)
