@@ -180,6 +180,11 @@ class CheckpointCallback(TrainerCallback):
         self.last_save = time.monotonic()
         self.stopped_by_signal = False
         self.uploaded: list[int] = []
+        # per checkpoint: the Trainer's write (step end -> on_save: model, optimizer, scheduler, RNG, state; plus
+        # that step's logging when it falls on the same step), and the upload + prune (rank 0; 0 on other ranks)
+        self.seconds_writing: list[float] = []
+        self.seconds_uploading: list[float] = []
+        self._save_asked: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_save = time.monotonic()
@@ -194,10 +199,13 @@ class CheckpointCallback(TrainerCallback):
         final = state.global_step >= state.max_steps  # the recipe writes the final model itself
         if stop or ((by_steps or by_time) and not final):
             control.should_save = True
+            self._save_asked = time.perf_counter()
         return control
 
     def on_save(self, args, state, control, **kwargs):
         _barrier()  # every rank has written its files (rng_state_<rank>.pth) before rank 0 uploads
+        t0 = time.perf_counter()
+        writing = t0 - self._save_asked if self._save_asked is not None else 0.0
         if state.is_world_process_zero:
             local = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
             upload(local, self.uri, state.global_step)
@@ -205,13 +213,19 @@ class CheckpointCallback(TrainerCallback):
             removed = prune(self.uri, self.keep)
             if removed:
                 log.info("pruned checkpoints %s (keeping the newest %d)", removed, self.keep)
+        self.seconds_writing.append(round(writing, 4))
+        self.seconds_uploading.append(round(time.perf_counter() - t0, 4))
+        self._save_asked = None
+        log.info("checkpoint %d: written in %.3fs, uploaded and pruned in %.3fs", state.global_step, writing,
+                 self.seconds_uploading[-1])
         self.last_save = time.monotonic()
         _barrier()
         return control
 
 
 def summary(callback: CheckpointCallback) -> dict[str, Any]:
-    return {"uploaded_steps": list(callback.uploaded), "stopped_by_signal": callback.stopped_by_signal}
+    return {"uploaded_steps": list(callback.uploaded), "stopped_by_signal": callback.stopped_by_signal,
+            "seconds_writing": list(callback.seconds_writing), "seconds_uploading": list(callback.seconds_uploading)}
 
 
 def callback_for(spec, s) -> "CheckpointCallback":
