@@ -273,3 +273,91 @@ class PretrainSettings(TrainSettings):
         if v != LoraSettings():
             raise ValueError("pretrain trains every weight (method full); remove lora")
         return v
+
+
+# ----------------------------------------------------------------------------------------------
+# ppo stage
+
+
+def _ppo_problem(text: str) -> PydanticCustomError:
+    return PydanticCustomError("ppo_settings", "{problem}", {"problem": text})
+
+
+class PpoSettings(TrainSettings):
+    """Every setting of a ppo stage but kind and inputs.
+
+    A step is one PPO update: each process samples batch_size_per_device * grad_accumulation_steps responses,
+    scores them, then optimizes the policy and value losses on them ppo_epochs times; `max_steps` counts updates.
+    """
+
+    max_new_tokens: int = Field(32, gt=0, validate_default=True, description="Longest sampled response, in tokens "
+                                "(TRL response_length). Prompts longer than max_length_tokens - max_new_tokens are "
+                                "skipped and counted.")
+    temperature: float = Field(0.7, gt=0, description="Sampling temperature of the rollouts.")
+    kl_coef: float = Field(0.05, ge=0, description="Weight of the per-token KL penalty against the reference (the "
+                           "starting policy: LoRA adapter disabled, or a frozen copy), subtracted from the reward.")
+    kl_estimator: Literal["k1", "k3"] = Field("k1", description="KL estimator of the penalty: k1 (log ratio) or k3 "
+                                              "(lower variance).")
+    ppo_epochs: int = Field(4, ge=1, description="Optimization passes over each batch of rollouts.")
+    mini_batches: int = Field(1, ge=1, validate_default=True, description="Mini-batches each batch of rollouts is "
+                              "split into per pass (one optimizer step each).")
+    clip_range: float = Field(0.2, gt=0, description="Clipping range of the policy ratio.")
+    value_clip_range: float = Field(0.2, gt=0, description="Clipping range of the value predictions.")
+    value_loss_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount factor of the returns.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda of the advantages.")
+    whiten_rewards: bool = Field(False, validate_default=True, description="Normalize the rewards per batch "
+                                 "(needs at least 8 rollouts per mini-batch and process).")
+    missing_eos_penalty: float | None = Field(None, gt=0, description="Subtracted from the score of a response "
+                                              "that does not end with eos within max_new_tokens; null: none.")
+    max_validation_prompts: int | None = Field(
+        None, gt=0, description="Held-out check: greedy responses of the trained policy and of the reference to at "
+        "most this many distinct validation prompts, scored by the reward model (all of them when unset).")
+
+    @field_validator("deepspeed", "fsdp")
+    @classmethod
+    def _one_process_or_ddp(cls, v, info: ValidationInfo):
+        if v is not None:
+            raise _ppo_problem(f"the ppo stage trains in one process or with DDP (launcher torchrun); {info.field_name} "
+                               "is not supported with TRL's PPOTrainer here yet: remove it")
+        return v
+
+    @field_validator("launcher")
+    @classmethod
+    def _qlora_in_one_process(cls, v: str, info: ValidationInfo) -> str:
+        if v != "local" and info.data.get("method") == "qlora":
+            raise _ppo_problem("ppo with method qlora trains in one process only (launcher local) for now; use "
+                               "launcher local, or method lora or full with torchrun")
+        return v
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _room_for_the_prompt(cls, v: int, info: ValidationInfo) -> int:
+        limit = info.data.get("max_length_tokens")
+        if limit is not None and v >= limit:
+            raise _ppo_problem(f"{v} leaves no room for the prompt in max_length_tokens {limit}; lower it or raise "
+                               "max_length_tokens")
+        return v
+
+    @field_validator("mini_batches")
+    @classmethod
+    def _mini_batches_divide_the_batch(cls, v: int, info: ValidationInfo) -> int:
+        d = info.data
+        if "batch_size_per_device" in d and "grad_accumulation_steps" in d:
+            local = d["batch_size_per_device"] * d["grad_accumulation_steps"]
+            if local % v:
+                raise _ppo_problem(f"batch_size_per_device * grad_accumulation_steps = {local} rollouts per process "
+                                   f"do not split into {v} equal mini-batches; use a divisor of {local}")
+        return v
+
+    @field_validator("whiten_rewards")
+    @classmethod
+    def _enough_to_whiten(cls, v: bool, info: ValidationInfo) -> bool:
+        d = info.data
+        if v and all(k in d for k in ("batch_size_per_device", "grad_accumulation_steps", "mini_batches")):
+            per_mini = d["batch_size_per_device"] * d["grad_accumulation_steps"] // d["mini_batches"]
+            if per_mini < 8:
+                raise _ppo_problem(f"whitening needs at least 8 rollouts per mini-batch and process, got {per_mini} "
+                                   "(batch_size_per_device * grad_accumulation_steps / mini_batches); raise them or "
+                                   "set whiten_rewards: false")
+        return v
