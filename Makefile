@@ -42,6 +42,9 @@ test-all: setup
 bench: setup
 	$(BIN)/python bench/orchestration.py
 	$(BIN)/python bench/shards.py
+	$(BIN)/python bench/train_overhead.py
+	$(BIN)/python bench/train_memory.py
+	$(BIN)/python bench/checkpoint_cost.py
 
 ui: setup
 	$(BIN)/mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///mlflow.db
