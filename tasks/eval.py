@@ -776,7 +776,8 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
         ev.check_tasks(tm, cfg.tasks, include, sources)
 
     for name, src in models.items():  # one model in memory at a time
-        lm = ev.load_lm(src, batch_size=cfg.batch_size, device=cfg.device, dtype=cfg.dtype, max_length=cfg.max_length)
+        lm = ev.load_lm(src, batch_size=cfg.batch_size, device=cfg.device, dtype=cfg.dtype, max_length=cfg.max_length,
+                        chat=cfg.apply_chat_template)
         c.scores[name] = {}
         for s in cfg.perplexity:
             _score_perplexity(c, name, lm, s, texts[s.name])

@@ -72,19 +72,42 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _chat_hflm() -> type:
+    from lm_eval.models.huggingface import HFLM
+
+    class ChatHFLM(HFLM):
+        """HFLM whose loglikelihood contexts keep their trailing whitespace when they are chat prompts.
+
+        lm-eval moves a context's trailing whitespace into the continuation (right for "Answer: 7", where the
+        space belongs to the answer's first word). A chat prompt ends with the template's generation prompt,
+        ChatML's "<|im_start|>assistant\n", whose newline is the template's, not the answer's: moved, it is
+        scored as the answer's first token, which a model trained with the loss on assistant tokens only never
+        learned, and every loglikelihood target fails its greedy check."""
+
+        chat_contexts = False
+
+        def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+            if not self.chat_contexts or context == context.rstrip():
+                return super()._encode_pair(context, continuation)
+            whole, ctx = self.tok_encode(context + continuation), self.tok_encode(context)
+            return ctx, whole[len(ctx):]
+
+    return ChatHFLM
+
+
 def load_lm(src: ModelSource, *, batch_size: int, device: str | None = None, dtype: str = "auto",
-            max_length: int | None = None) -> "HFLM":
+            max_length: int | None = None, chat: bool = False) -> "HFLM":
     """The model as lm-eval's `hf` model (HFLM); an adapter goes through HFLM's own `peft=` loading.
+    `chat`: the prompts go through the chat template (see ChatHFLM).
 
     Later this should take its model from trainer/models.py (hub ids, GGUF, quantized loading) and
     hand the loaded model to HFLM(pretrained=<model>); today it reads local folders only.
     """
-    from lm_eval.models.huggingface import HFLM
-
     t0 = time.monotonic()
-    lm = HFLM(pretrained=str(src.path), peft=str(src.adapter) if src.adapter else None,
-              tokenizer=str(src.tokenizer), batch_size=batch_size, device=device or default_device(),
-              dtype=dtype, max_length=max_length)
+    lm = _chat_hflm()(pretrained=str(src.path), peft=str(src.adapter) if src.adapter else None,
+                      tokenizer=str(src.tokenizer), batch_size=batch_size, device=device or default_device(),
+                      dtype=dtype, max_length=max_length)
+    lm.chat_contexts = chat
     log.info("model %s: loaded %s%s in %.1fs (max_length %d)", src.name, src.path,
              f" + adapter {src.adapter}" if src.adapter else "", time.monotonic() - t0, lm.max_length)
     return lm
