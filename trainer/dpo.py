@@ -89,8 +89,9 @@ def train(spec: JobSpec) -> dict[str, Any]:
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
 
     # 4. trainer
-    args = DPOConfig(**training_args(s, work), beta=s.beta, loss_type=[s.loss_type], truncation_mode="keep_start",
-                     precompute_ref_log_probs=False)
+    losses = {s.loss_type: 1.0, **({"sft": s.sft_loss_weight} if s.sft_loss_weight else {})}
+    args = DPOConfig(**training_args(s, work), beta=s.beta, loss_type=list(losses), loss_weights=list(losses.values()),
+                     truncation_mode="keep_start", precompute_ref_log_probs=False)
     ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, DPO_LOG_KEYS)
     eval_ds = eval_pairs.dataset if eval_pairs is not None else None

@@ -125,12 +125,16 @@ class DpoSettings(TrainSettings):
                         "higher keeps it closer.")
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
         "sigmoid", description="DPO loss: sigmoid (the DPO paper), ipo, hinge or robust.")
+    sft_loss_weight: float = Field(
+        0.0, ge=0, description="Weight of an added language-modelling loss on the chosen completions (RPO; TRL "
+        "loss_type 'sft'). DPO alone can lower the chosen answers' likelihood along with the rejected ones' and "
+        "degrade generation; 0.2-1.0 keeps the chosen answers likely. 0: plain DPO.")
 
 
 # ----------------------------------------------------------------------------------------------
 # grpo stage (GRPO and RLOO); the reward functions it names live in trainer/rewards.py (plain Python)
 
-from typing import Annotated, Any  # noqa: E402  (kept with the grpo settings, which alone use them)
+from typing import Annotated  # noqa: E402  (kept with the grpo settings, which alone use it)
 
 from pydantic import BeforeValidator, ValidationInfo, field_validator  # noqa: E402
 from pydantic_core import PydanticCustomError  # noqa: E402
