@@ -47,6 +47,8 @@ class MetricsCallback(TrainerCallback):
 
     # ---- timing
     def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self._connect()  # before the clock starts: the first connection costs 0.4-2 s, not a step's time
         now = time.monotonic()
         self._t0 = self._window_t = self._last_progress = now
         self.tokens_begin = self.tokens_end = state.num_input_tokens_seen
@@ -97,14 +99,24 @@ class MetricsCallback(TrainerCallback):
                  m["train/loss"], m.get("train/learning_rate", float("nan")), m.get("train/tokens_per_s", 0.0),
                  m.get("train/step_time_s", 0.0), m["train/peak_memory_mb"], eta)
 
+    def _connect(self) -> None:
+        """The MLflow client, with its store opened (sqlite file, or the server's connection) and the run found."""
+        if self.client is not None or not (self.tracking_uri and self.run_id):
+            return
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        try:
+            self.client.get_run(self.run_id)
+        except Exception as e:  # logged again (and warned about) at the first metrics
+            log.warning("MLflow run %s not reachable yet: %s", self.run_id, str(e).splitlines()[0])
+
     def _send(self, metrics: dict[str, float], step: int) -> None:
         if not (self.tracking_uri and self.run_id):
             return
         from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
 
-        if self.client is None:
-            self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._connect()
         ts = int(time.time() * 1000)
         try:
             self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v in sorted(metrics.items())],
