@@ -608,6 +608,41 @@ def test_checkpoint_upload_prune_and_verified_download_s3(s3, tmp_path):
     _checkpoint_roundtrip("s3://lmforge-test/ckpt/sft/abc/_checkpoints", tmp_path)
 
 
+def test_checkpoint_callback_uploads_beside_the_training_and_joins_before_the_next_save(tmp_path):
+    """on_save starts the upload in a thread and returns; the next save (or the end, or a failure) joins it. An
+    upload that fails fails the training at the join."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    from trainer import checkpoint
+
+    uri, out = f"{tmp_path}/store/sft/abc/_checkpoints", tmp_path / "out"
+    cb = checkpoint.CheckpointCallback(uri, every_steps=2, every_minutes=None, keep=1)
+    args = SimpleNamespace(output_dir=str(out))
+    state = SimpleNamespace(global_step=2, max_steps=10, is_world_process_zero=True)
+    control = TrainerControl()
+    assert cb.on_step_end(args, state, control).should_save
+    _fake_checkpoint(out, 2)
+    cb.on_save(args, state, control)
+    assert cb._pending is not None and cb.uploaded == []  # in flight (or done), not yet joined
+    state.global_step = 4
+    cb.on_step_end(args, state, TrainerControl())  # asks for checkpoint 4: joins 2 first
+    assert cb._pending is None and cb.uploaded == [2] and checkpoint.latest_complete(uri)[0] == 2
+    _fake_checkpoint(out, 4)
+    cb.on_save(args, state, control)
+    cb.on_train_end(args, state, control)
+    assert cb.uploaded == [2, 4] and [s for s, _, c in checkpoint.list_checkpoints(uri) if c] == [4]  # keep 1
+    assert len(cb.seconds_writing) == len(cb.seconds_uploading) == len(cb.seconds_waiting) == 2
+    # the local folder vanished before its upload: the error surfaces on the training thread at the join
+    state.global_step = 6
+    cb.on_step_end(args, state, TrainerControl())
+    cb.on_save(args, state, control)  # no checkpoint-6 folder was written
+    with pytest.raises(FileNotFoundError):
+        cb.wait_for_upload()
+    assert cb.uploaded == [2, 4] and checkpoint.latest_complete(uri)[0] == 4
+
+
 def test_a_failing_training_process_becomes_a_clear_error(tmp_path):
     from trainer import launch
     from trainer.errors import TrainingError

@@ -9,7 +9,8 @@ Layout under the stage's checkpoint URI (`{store}/{kind}/{artifact_id}/_checkpoi
 A checkpoint without DONE does not exist: a kill during the upload leaves a folder that the next
 upload or prune removes. `CheckpointCallback` asks the Trainer to save every N steps and/or M
 minutes, uploads each checkpoint as soon as it is saved (rank 0, after all ranks wrote their RNG
-state) and prunes the oldest beyond `keep`. On SIGTERM it saves, uploads and stops; the recipe then
+state, in a background thread while the training goes on) and prunes the oldest beyond `keep`. On
+SIGTERM it saves, uploads (waiting for it) and stops; the recipe then
 exits with `Preempted`. Before a run, the parent downloads the newest complete checkpoint
 (`restore_latest`) and the recipe passes it to `trainer.train(resume_from_checkpoint=...)`, which
 restores model, optimizer, scheduler, RNG and the position in the data.
@@ -21,6 +22,7 @@ import logging
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,8 @@ def latest_complete(uri: str) -> tuple[int, str] | None:
 
 def upload(local_dir: Path, uri: str, step: int) -> str:
     """Copy a checkpoint folder to `uri/checkpoint-<step>/`, then write DONE listing every file."""
+    if not local_dir.is_dir() or not any(p.is_file() for p in local_dir.rglob("*")):
+        raise FileNotFoundError(f"{local_dir}: no checkpoint files to upload (was it deleted before its upload?)")
     fs, root = filesystem(uri)
     dest = f"{root}/{PREFIX}{step}"
     if fs.exists(dest):  # a half-uploaded leftover of a killed run
@@ -175,16 +179,26 @@ def _barrier() -> None:
 
 
 class CheckpointCallback(TrainerCallback):
+    """Saves every N steps / M minutes and on SIGTERM; rank 0 uploads each checkpoint in a background thread.
+
+    The training goes on while checkpoint N uploads; the upload is joined before the next save (the Trainer's
+    rotation, save_total_limit 1, deletes the local checkpoint-N when it writes the next one), at the end of
+    training and after a SIGTERM's save, so the stage never finishes or stops with an upload in flight. An
+    upload that failed fails the training at that join, as it would have in the loop."""
+
     def __init__(self, uri: str, every_steps: int | None, every_minutes: float | None, keep: int):
         self.uri, self.every_steps, self.every_minutes, self.keep = uri, every_steps, every_minutes, keep
         self.last_save = time.monotonic()
         self.stopped_by_signal = False
         self.uploaded: list[int] = []
         # per checkpoint: the Trainer's write (step end -> on_save: model, optimizer, scheduler, RNG, state; plus
-        # that step's logging when it falls on the same step), and the upload + prune (rank 0; 0 on other ranks)
+        # that step's logging when it falls on the same step), the upload + prune (rank 0, in the background; 0
+        # on other ranks) and how long the training waited for that upload at its join (rank 0)
         self.seconds_writing: list[float] = []
         self.seconds_uploading: list[float] = []
+        self.seconds_waiting: list[float] = []
         self._save_asked: float | None = None
+        self._pending: tuple[int, threading.Thread, dict[str, Any]] | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_save = time.monotonic()
@@ -198,34 +212,69 @@ class CheckpointCallback(TrainerCallback):
             control.should_training_stop = True
         final = state.global_step >= state.max_steps  # the recipe writes the final model itself
         if stop or ((by_steps or by_time) and not final):
+            self.wait_for_upload()  # before the Trainer writes the next one and rotates this one away
             control.should_save = True
             self._save_asked = time.perf_counter()
         return control
 
     def on_save(self, args, state, control, **kwargs):
         _barrier()  # every rank has written its files (rng_state_<rank>.pth) before rank 0 uploads
-        t0 = time.perf_counter()
-        writing = t0 - self._save_asked if self._save_asked is not None else 0.0
+        writing = time.perf_counter() - self._save_asked if self._save_asked is not None else 0.0
+        self.seconds_writing.append(round(writing, 4))
+        self._save_asked = None
+        log.info("checkpoint %d: written in %.3fs%s", state.global_step, writing,
+                 "; uploading in the background" if state.is_world_process_zero else "")
         if state.is_world_process_zero:
             local = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
-            upload(local, self.uri, state.global_step)
-            self.uploaded.append(state.global_step)
+            outcome: dict[str, Any] = {}
+            thread = threading.Thread(target=self._upload, args=(local, state.global_step, outcome),
+                                      name=f"checkpoint-upload-{state.global_step}", daemon=True)
+            thread.start()
+            self._pending = (state.global_step, thread, outcome)
+        else:
+            self.seconds_uploading.append(0.0)
+            self.seconds_waiting.append(0.0)
+        self.last_save = time.monotonic()
+        if self.stopped_by_signal:
+            self.wait_for_upload()  # the process exits next: the checkpoint must be in the store first
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.wait_for_upload()
+
+    def _upload(self, local: Path, step: int, outcome: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            upload(local, self.uri, step)
             removed = prune(self.uri, self.keep)
             if removed:
                 log.info("pruned checkpoints %s (keeping the newest %d)", removed, self.keep)
-        self.seconds_writing.append(round(writing, 4))
-        self.seconds_uploading.append(round(time.perf_counter() - t0, 4))
-        self._save_asked = None
-        log.info("checkpoint %d: written in %.3fs, uploaded and pruned in %.3fs", state.global_step, writing,
-                 self.seconds_uploading[-1])
-        self.last_save = time.monotonic()
-        _barrier()
-        return control
+        except BaseException as e:  # re-raised on the training thread at the join
+            outcome["error"] = e
+        outcome["seconds"] = time.perf_counter() - t0
+
+    def wait_for_upload(self) -> None:
+        """Join the checkpoint upload in flight, if any; its error, if it failed, is raised here."""
+        if self._pending is None:
+            return
+        step, thread, outcome = self._pending
+        t0 = time.perf_counter()
+        thread.join()
+        waited = time.perf_counter() - t0
+        self._pending = None
+        if "error" in outcome:
+            raise outcome["error"]
+        self.uploaded.append(step)
+        self.seconds_uploading.append(round(outcome["seconds"], 4))
+        self.seconds_waiting.append(round(waited, 4))
+        log.info("checkpoint %d: uploaded and pruned in %.3fs in the background; the training waited %.3fs for it",
+                 step, outcome["seconds"], waited)
 
 
 def summary(callback: CheckpointCallback) -> dict[str, Any]:
     return {"uploaded_steps": list(callback.uploaded), "stopped_by_signal": callback.stopped_by_signal,
-            "seconds_writing": list(callback.seconds_writing), "seconds_uploading": list(callback.seconds_uploading)}
+            "seconds_writing": list(callback.seconds_writing), "seconds_uploading": list(callback.seconds_uploading),
+            "seconds_waiting": list(callback.seconds_waiting)}
 
 
 def callback_for(spec, s) -> "CheckpointCallback":
@@ -245,7 +294,15 @@ def train_resumable(trainer, spec, ckpt: "CheckpointCallback"):
         raise Preempted(f"stage {spec.stage}: SIGTERM before training started; nothing to save")
     if spec.resume_from:
         log.info("resuming at step %d from %s", spec.resume_step, spec.resume_from)
-    trainer.train(resume_from_checkpoint=spec.resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=spec.resume_from)
+    except BaseException:
+        try:  # a crash: the last checkpoint, still uploading, is what the rerun resumes from
+            ckpt.wait_for_upload()
+        except Exception as e:
+            log.warning("checkpoint upload failed too: %s", e)
+        raise
+    ckpt.wait_for_upload()  # a loop that does not call on_train_end
     state = trainer.state
     if ckpt.stopped_by_signal:
         raise Preempted(f"stage {spec.stage}: stopped by SIGTERM at step {state.global_step}; checkpoint "
