@@ -42,6 +42,9 @@ test-all: setup
 bench: setup
 	$(BIN)/python bench/orchestration.py
 	$(BIN)/python bench/shards.py
+	$(BIN)/python bench/dedup.py
+	$(BIN)/python bench/filter.py
+	$(BIN)/python bench/eval.py
 	$(BIN)/python bench/train_overhead.py
 	$(BIN)/python bench/train_memory.py
 	$(BIN)/python bench/checkpoint_cost.py
