@@ -9,6 +9,7 @@ optimizer step.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 from typing import Any
@@ -44,11 +45,11 @@ class MetricsCallback(TrainerCallback):
         self.train_seconds = 0.0
         self.tokens_begin = self.tokens_end = 0
         self.start_step = 0
+        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 logs; connect before trainer.train(): the first
+            self._connect()                        # connection costs 0.4-2 s, once, not in the train loop
 
     # ---- timing
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self._connect()  # before the clock starts: the first connection costs 0.4-2 s, not a step's time
         now = time.monotonic()
         self._t0 = self._window_t = self._last_progress = now
         self.tokens_begin = self.tokens_end = state.num_input_tokens_seen
