@@ -72,6 +72,18 @@ def test_training_args_on_this_cpu(tmp_path):
     assert (args["use_cpu"], args["bf16"], args["fp16"]) == (True, True, False)
     with pytest.raises(SettingError, match=r"^precision: fp16 mixed precision needs a CUDA GPU"):
         training_args(SftSettings(precision="fp16"), tmp_path)
+    # DataLoader workers: every trainer's; they never change sft's batches (not in its id), pretrain's they do
+    args = training_args(SftSettings(num_workers=2, prefetch_factor=3), tmp_path)
+    assert (args["dataloader_num_workers"], args["dataloader_prefetch_factor"]) == (2, 3)
+    assert training_args(SftSettings(), tmp_path)["dataloader_prefetch_factor"] is None  # in-process loading
+    from tasks.pretrain import PretrainConfig
+    from tasks.sft import SftConfig
+
+    sft = {"kind": "sft", "inputs": ["shards"]}
+    assert SftConfig.model_validate({**sft, "num_workers": 4}).settings() == SftConfig.model_validate(sft).settings()
+    pre = {"kind": "pretrain", "inputs": ["shards"], "base_model": {"config": {"model_type": "llama"}}, "max_steps": 5}
+    assert PretrainConfig.model_validate({**pre, "num_workers": 2}).settings()["num_workers"] == 2
+    assert "prefetch_factor" not in PretrainConfig.model_validate(pre).settings()
 
 
 # ----------------------------------------------------------------------------------------------

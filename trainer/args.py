@@ -66,7 +66,8 @@ def training_args(s, work: Path) -> dict[str, Any]:
         save_strategy="no", save_total_limit=1,  # CheckpointCallback decides when; one local copy is enough
         eval_strategy="no", logging_steps=s.logging_steps, logging_first_step=True,
         report_to="none", disable_tqdm=True, include_num_input_tokens_seen="non_padding",
-        dataloader_pin_memory=on_gpu,
+        dataloader_num_workers=s.num_workers, dataloader_pin_memory=on_gpu and s.pin_memory,
+        dataloader_prefetch_factor=s.prefetch_factor if s.num_workers > 0 else None,
         ddp_backend=None if on_gpu or world_size() == 1 else "gloo", ddp_find_unused_parameters=False,
         **strategy,
     )

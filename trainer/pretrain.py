@@ -53,7 +53,6 @@ def _trainer_class():
 
 def train(spec: JobSpec) -> dict[str, Any]:
     import datasets
-    import torch
     from transformers import PrinterCallback, TrainingArguments
 
     s = PretrainSettings.model_validate(spec.settings)
@@ -92,10 +91,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
                                         dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
 
     # 4. trainer (max_length is TRL's setting; the rows are packed to max_length_tokens above)
-    base_args = {k: v for k, v in training_args(s, work).items() if k != "max_length"}
-    args = TrainingArguments(**{**base_args, "dataloader_num_workers": s.num_workers,
-                                "dataloader_prefetch_factor": s.prefetch_factor if s.num_workers > 0 else None,
-                                "dataloader_pin_memory": s.pin_memory and torch.cuda.is_available()})
+    args = TrainingArguments(**{k: v for k, v in training_args(s, work).items() if k != "max_length"})
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
     trainer = _trainer_class()(model=model, args=args, train_dataset=train_ds, data_collator=stream.collate,

@@ -78,6 +78,11 @@ class TrainSettings(BaseModel):
         None, description="PyTorch FSDP, CUDA GPUs only: a preset (full_shard: configs/fsdp/), an accelerate config "
         "file (YAML/JSON; its fsdp_config block) or an inline fsdp_config mapping. Needs launcher torchrun; not "
         "with deepspeed.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes that prepare batches (0: in the "
+                             "training process). Stages other than pretrain read and tokenize their shards before "
+                             "training, so workers change the speed, never the batches (pretrain: its own field).")
+    prefetch_factor: int = Field(2, gt=0, description="Batches each DataLoader worker prepares ahead (num_workers > 0).")
+    pin_memory: bool = Field(True, description="Page-locked batches for faster copies to the GPU; ignored on CPU.")
     control_prompts: list[str] = Field(
         default_factory=lambda: list(DEFAULT_CONTROL_PROMPTS),
         description="After training, the model before and after answer these prompts (greedy) side by side: a "
@@ -88,7 +93,7 @@ class TrainSettings(BaseModel):
     #: model it produces; training stages keep them out of their artifact id
     RUN_ONLY: ClassVar[frozenset[str]] = frozenset({
         "checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "logging_steps", "launcher",
-        "rdzv_endpoint", "control_prompts", "control_max_new_tokens"})
+        "rdzv_endpoint", "control_prompts", "control_max_new_tokens", "num_workers", "prefetch_factor", "pin_memory"})
 
     @field_validator("deepspeed", "fsdp", mode="before")
     @classmethod
@@ -253,12 +258,11 @@ class PretrainSettings(TrainSettings):
     num_workers: int = Field(1, ge=0, description="DataLoader worker processes that read, tokenize and pack (0: in "
                              "the training process). Streaming splits the shards by worker, so it is part of the id.")
     prefetch_factor: int = Field(4, gt=0, description="Batches each worker prepares ahead (num_workers > 0).")
-    pin_memory: bool = Field(True, description="Page-locked batches for faster copies to the GPU; ignored on CPU.")
     shuffle_buffer_rows: int = Field(1000, ge=0, description="Streaming: the shard order is reshuffled every pass "
                                      "and packed rows are shuffled in a buffer of this many; 0 reads in order.")
 
-    #: prefetching and pinning change the speed, never the batches
-    RUN_ONLY: ClassVar[frozenset[str]] = TrainSettings.RUN_ONLY | frozenset({"prefetch_factor", "pin_memory"})
+    #: streaming splits the shards by worker: here num_workers changes the batches (prefetching and pinning do not)
+    RUN_ONLY: ClassVar[frozenset[str]] = TrainSettings.RUN_ONLY - {"num_workers"}
 
     @_field_validator("streaming")
     @classmethod
