@@ -659,6 +659,36 @@ def test_a_failing_training_process_becomes_a_clear_error(tmp_path):
     assert json.loads((tmp_path / "error-0.json").read_text())["type"] == "ValidationError"
 
 
+def test_training_jobs_of_one_process_take_turns(tmp_path, caplog):
+    """Stages run in threads; their training processes run one at a time (LMFORGE_MAX_PARALLEL_TRAINING=1)."""
+    from trainer import launch
+    from trainer.errors import TrainingError
+    from trainer.job import JobSpec
+
+    spec = JobSpec(method="sft", stage="second", settings={"learning_rate": -1}, train_urls=[],
+                   output_dir=str(tmp_path / "out"), work_dir=str(tmp_path), checkpoint_uri=str(tmp_path / "ckpt"))
+    outcome: list[BaseException] = []
+
+    def second_stage():
+        try:
+            launch.run(spec)
+        except TrainingError as e:
+            outcome.append(e)
+
+    assert launch.TRAINING_SLOTS.acquire(blocking=False)  # a first stage is training
+    try:
+        t = threading.Thread(target=second_stage)
+        with caplog.at_level("INFO", logger="trainer.launch"):
+            t.start()
+            t.join(3.0)
+            assert t.is_alive() and not (tmp_path / "error-0.json").exists()  # waits, no process started
+            assert "stage second: waiting for a training slot" in caplog.text
+    finally:
+        launch.TRAINING_SLOTS.release()
+    t.join(120)
+    assert not t.is_alive() and len(outcome) == 1 and (tmp_path / "error-0.json").exists()  # then it ran
+
+
 def test_a_setting_error_in_the_training_process_comes_back_naming_the_field(tmp_path):
     from trainer import launch
     from trainer.errors import SettingError
