@@ -641,6 +641,13 @@ def test_checkpoint_callback_uploads_beside_the_training_and_joins_before_the_ne
     with pytest.raises(FileNotFoundError):
         cb.wait_for_upload()
     assert cb.uploaded == [2, 4] and checkpoint.latest_complete(uri)[0] == 4
+    # a loop that saves without a step end in between (TRL's PPO after its last update): no upload is lost
+    for step in (8, 10):
+        state.global_step = step
+        _fake_checkpoint(out, step)
+        cb.on_save(args, state, control)
+    cb.on_train_end(args, state, control)
+    assert cb.uploaded == [2, 4, 8, 10] and checkpoint.latest_complete(uri)[0] == 10
 
 
 def test_a_failing_training_process_becomes_a_clear_error(tmp_path):

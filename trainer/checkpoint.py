@@ -218,6 +218,7 @@ class CheckpointCallback(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
+        self.wait_for_upload()  # normally joined at on_step_end; a loop that saves on its own (TRL's PPO) may not
         _barrier()  # every rank has written its files (rng_state_<rank>.pth) before rank 0 uploads
         writing = time.perf_counter() - self._save_asked if self._save_asked is not None else 0.0
         self.seconds_writing.append(round(writing, 4))

@@ -17,6 +17,7 @@ No artifacts and no MLflow here; `tasks/eval.py` does those.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import logging
 import math
@@ -72,6 +73,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@functools.cache
 def _chat_hflm() -> type:
     from lm_eval.models.huggingface import HFLM
 

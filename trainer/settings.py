@@ -79,8 +79,9 @@ class TrainSettings(BaseModel):
         "file (YAML/JSON; its fsdp_config block) or an inline fsdp_config mapping. Needs launcher torchrun; not "
         "with deepspeed.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes that prepare batches (0: in the "
-                             "training process). Stages other than pretrain read and tokenize their shards before "
-                             "training, so workers change the speed, never the batches (pretrain: its own field).")
+                             "training process). sft, reward, dpo and grpo read and tokenize their shards before "
+                             "training, so workers change the speed, never the batches; pretrain has its own field; "
+                             "ppo builds its few prompts per update in process and ignores it.")
     prefetch_factor: int = Field(2, gt=0, description="Batches each DataLoader worker prepares ahead (num_workers > 0).")
     pin_memory: bool = Field(True, description="Page-locked batches for faster copies to the GPU; ignored on CPU.")
     control_prompts: list[str] = Field(
