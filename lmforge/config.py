@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from lmforge.errors import ConfigError
 
@@ -43,9 +43,23 @@ class StageConfig(BaseModel):
     #: fields that steer orchestration but do not change what a stage produces (kept out of the id)
     ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = frozenset({"kind", "inputs", "retries", "retry_delay_seconds", "timeout_seconds"})
 
+    #: the project root, set by parse_config (kept by model_copy): relative paths in settings resolve against it
+    _root: Path | None = PrivateAttr(None)
+
     def settings(self) -> dict[str, Any]:
         """The normalized settings that define the output: defaults filled in, orchestration left out."""
         return self.model_dump(mode="json", exclude=set(self.ORCHESTRATION_FIELDS))
+
+    @property
+    def project_root(self) -> Path:
+        """What relative paths in this stage's settings resolve against: the pipeline's root. Only a stage config
+        built by hand, outside parse_config, falls back to the working directory."""
+        return self._root if self._root is not None else Path.cwd()
+
+    def local_path(self, p: str) -> Path:
+        """A local path written in this stage's settings, absolute: `~` expanded, relative to the project root."""
+        path = Path(p).expanduser()
+        return path if path.is_absolute() else (self.project_root / path).resolve()
 
 
 class DatasetConfig(BaseModel):
@@ -248,6 +262,8 @@ def parse_config(
                 stages[name] = model.model_validate(body)
             except ValidationError as e:
                 problems += _format_errors(e, where, model)
+            else:
+                stages[name]._root = Path(root).resolve()
     try:
         top = PipelineConfig.model_validate({**raw, "stages": {}, "root": root, "source": source})
     except ValidationError as e:

@@ -74,7 +74,7 @@ class ModelEntry(BaseModel):
 
     name: str = Field(pattern=MODEL_NAME_RE, description="Name in metric paths, tables and charts, e.g. base or sft.")
     base: str | None = Field(None, description="Alone: a local Hugging Face model folder (config.json, weights, "
-                             "tokenizer) to evaluate; relative paths resolve against the working directory. With "
+                             "tokenizer) to evaluate; relative paths resolve against the project root. With "
                              "`input` holding a peft adapter: the model it goes on, as a folder or another entry's "
                              "name (default: the base the adapter artifact records in lmforge_model.json).")
     input: str | None = Field(None, description="A stage in `inputs` whose model artifact to evaluate.")
@@ -138,8 +138,8 @@ class EvalConfig(StageConfig):
     models: list[ModelEntry] = Field(min_length=1, description="The models to evaluate, in table order.")
     tasks: list[str] = Field(default_factory=list, description="lm-eval task or group names, e.g. lmforge_arith_mc.")
     task_dirs: list[str] = Field(default_factory=list, description="Extra folders of lm-eval task YAMLs (after "
-                                 "lmforge's configs/eval_tasks); relative data_files in them resolve against each "
-                                 "YAML's folder.")
+                                 "lmforge's configs/eval_tasks), relative to the project root; relative data_files "
+                                 "in them resolve against each YAML's folder.")
     num_fewshot: int = Field(0, ge=0, description="Few-shot examples per prompt (a task YAML that pins 0 keeps 0).")
     batch_size: int = Field(8, gt=0, description="Requests per forward pass.")
     limit: int | None = Field(None, gt=0, description="At most this many documents per lm-eval task (the first ones).")
@@ -214,23 +214,24 @@ class EvalConfig(StageConfig):
         return gates
 
     def settings(self) -> dict[str, Any]:
-        """Ids depend on content, not paths: local model folders and task folders enter as content hashes."""
+        """Ids depend on content, not paths: local model folders and task folders (relative to the project root,
+        as `run` reads them) enter as content hashes."""
         s = super().settings()
         names = {m.name for m in self.models}
         for m in s["models"]:
             if not m["without_adapter"]:
                 del m["without_adapter"]  # the default leaves earlier ids as they were
             if m["base"] is not None and m["base"] not in names:
-                m["base"] = _fingerprint_or_path(m["base"])
-        s["task_dirs"] = [_fingerprint_or_path(d) for d in s["task_dirs"]]
-        s["shipped_tasks"] = _fingerprint_or_path(str(SHIPPED_TASKS)) if self.tasks else None
+                m["base"] = _fingerprint_or_path(self.local_path(m["base"]), m["base"])
+        s["task_dirs"] = [_fingerprint_or_path(self.local_path(d), d) for d in s["task_dirs"]]
+        s["shipped_tasks"] = _fingerprint_or_path(SHIPPED_TASKS, str(SHIPPED_TASKS)) if self.tasks else None
         return s
 
 
-def _fingerprint_or_path(spec: str) -> str:
+def _fingerprint_or_path(folder: Path, spec: str) -> str:
     """A folder's content fingerprint (what a plan hashes instead of the path); the path as written
     when it does not exist, so that `run` reports it."""
-    return folder_fingerprint(Path(spec).expanduser()) or spec
+    return folder_fingerprint(folder) or spec
 
 
 class EvalResult(Result):
@@ -246,12 +247,11 @@ class EvalResult(Result):
 # resolving models and data
 
 
-def _local_model(spec: str, where: str) -> Path:
-    """A local Hugging Face model folder. Hub ids and GGUF files come with trainer/models.py; this is
-    where the eval stage should call it once it lands."""
-    path = Path(spec).expanduser().resolve()
+def _local_model(path: Path, where: str) -> Path:
+    """A local Hugging Face model folder (`EvalConfig.local_path` of a `base:`). Hub ids and GGUF files come with
+    trainer/models.py; this is where the eval stage should call it once it lands."""
     fix = ("Give a local Hugging Face model folder (config.json, weights, tokenizer files); relative paths "
-           "resolve against the working directory")
+           "resolve against the project root")
     if not path.exists():
         raise DataError(where, f"model folder {path} does not exist", fix)
     if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
@@ -308,7 +308,7 @@ def resolve_models(cfg: EvalConfig, by_input: dict[str, Input], where: str) -> d
     entries = list(enumerate(cfg.models))
     for i, m in entries:
         if m.input is None:
-            path = _local_model(m.base, f"{where}models[{i}].base")
+            path = _local_model(cfg.local_path(m.base), f"{where}models[{i}].base")
             if not _has_tokenizer(path):
                 raise DataError(f"{where}models[{i}].base",
                                 f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)})",
@@ -350,7 +350,7 @@ def resolve_models(cfg: EvalConfig, by_input: dict[str, Input], where: str) -> d
                 raise DataError(f"{w}.base", f"{m.base!r} is itself an adapter", "Name a full model")
             base_path, base_tok = base.path, base.tokenizer
         else:
-            base_path = _local_model(m.base, f"{w}.base")
+            base_path = _local_model(cfg.local_path(m.base), f"{w}.base")
             base_tok = base_path
         out[m.name] = ev.ModelSource(
             m.name, base_path, folder if _has_tokenizer(folder) else base_tok,
@@ -770,7 +770,7 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
         pref.models or [m for m in models if m != pref.reference])
     tm = None
     if cfg.tasks:
-        sources = [SHIPPED_TASKS, *(Path(d).expanduser().resolve() for d in cfg.task_dirs)]
+        sources = [SHIPPED_TASKS, *(cfg.local_path(d) for d in cfg.task_dirs)]
         include = ev.prepare_task_dirs(sources, out / "tasks")
         tm = ev.task_manager(include, cfg.tasks, where=f"{where}tasks")
         ev.check_tasks(tm, cfg.tasks, include, sources)

@@ -45,7 +45,7 @@ class GrpoStageConfig(StageConfig, GrpoSettings):
         path and the sha256 of its source (when Python can show it)."""
         from trainer.rewards import load_reward_function, source_sha256
 
-        out = model_source_identity(super().settings(), self.base_model)
+        out = model_source_identity(super().settings(), self.base_model, self.project_root)
         for entry in out["reward_functions"]:
             entry["source_sha256"] = source_sha256(load_reward_function(entry["function"]))
         return out

@@ -39,7 +39,7 @@ class PretrainConfig(StageConfig, PretrainSettings):
 
     def settings(self) -> dict:
         """A local `base_model.path` or package GGUF enters the id as its content, as in sft."""
-        return model_source_identity(super().settings(), self.base_model)
+        return model_source_identity(super().settings(), self.base_model, self.project_root)
 
     def trainer_settings(self) -> dict:
         """Every training setting, including the orchestration ones the training process needs."""

@@ -38,7 +38,7 @@ class RewardStageConfig(StageConfig, RewardSettings):
 
     def settings(self) -> dict:
         """As in sft: a base model enters the id by its content, never by its path."""
-        return model_source_identity(super().settings(), self.base_model)
+        return model_source_identity(super().settings(), self.base_model, self.project_root)
 
     def trainer_settings(self) -> dict:
         return self.model_dump(mode="json", include=set(RewardSettings.model_fields))

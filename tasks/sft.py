@@ -37,19 +37,20 @@ class SftConfig(StageConfig, SftSettings):
     def settings(self) -> dict:
         """Ids depend on content, not paths (as in the eval stage): a local `base_model.path` folder enters as the
         sha256 of its files' names and contents, a package GGUF as the package's version and the file's sha256.
-        At plan time there is no runtime, so a relative path resolves against the working directory (as eval's
-        model folders do); a path or package that cannot be found enters as written, and `run` reports it."""
-        return model_source_identity(super().settings(), self.base_model)
+        A relative path resolves against the project root, as the run resolves it; a path or package that cannot
+        be found enters as written, and `run` reports it."""
+        return model_source_identity(super().settings(), self.base_model, self.project_root)
 
     def trainer_settings(self) -> dict:
         """Every training setting, including the orchestration ones the training process needs."""
         return self.model_dump(mode="json", include=set(SftSettings.model_fields))
 
 
-def model_source_identity(settings: dict, src) -> dict:
-    """`settings` with `base_model` (a local folder or a package GGUF) replaced by its content identity."""
+def model_source_identity(settings: dict, src, root: Path) -> dict:
+    """`settings` with `base_model` (a local folder, relative to the project `root`, or a package GGUF) replaced by
+    its content identity."""
     if src is not None and src.path is not None:
-        settings["base_model"]["path"] = folder_fingerprint(Path(src.path).expanduser()) or src.path
+        settings["base_model"]["path"] = folder_fingerprint(root / Path(src.path).expanduser()) or src.path
     elif src is not None and src.package is not None:
         settings["base_model"].update(_gguf_identity(src.package, src.file or ""))
     return settings

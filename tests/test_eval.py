@@ -484,7 +484,7 @@ def test_missing_model_folder_and_artifact_without_model(tmp_path, models):
         ev_stage.run(cfg_of(models=[{"name": "base", "base": str(missing)}]), [], tmp_path)
     assert str(e.value) == (f"models[0].base: model folder {missing} does not exist. Give a local Hugging Face "
                             "model folder (config.json, weights, tokenizer files); relative paths resolve against the "
-                            "working directory")
+                            "project root")
     store = ArtifactStore(str(tmp_path / "artifacts"))
     (tmp_path / "not_a_model").mkdir()
     (tmp_path / "not_a_model" / "notes.txt").write_text("hi")

@@ -40,8 +40,8 @@ def test_copied_model_folder_keeps_the_id_and_changed_weights_change_it(tmp_path
     shutil.copytree(a, b)
     (b / ".cache" / "noise").write_text("different hidden file")
     assert sft_id(tmp_path, kinds, {"path": str(b)}) == first
-    monkeypatch.chdir(tmp_path)  # a relative spelling of the same folder, resolved against the working directory
-    assert sft_id(tmp_path, kinds, {"path": "elsewhere/copy/"}) == first
+    monkeypatch.chdir(tmp_path / "a")  # a relative spelling of the same folder resolves against the project root
+    assert sft_id(tmp_path, kinds, {"path": "elsewhere/copy/"}) == first  # (tmp_path), not the working directory
     (b / "model.safetensors").write_bytes(b"\x01" * 64)
     assert sft_id(tmp_path, kinds, {"path": str(b)}) != first
 
