@@ -42,6 +42,7 @@ def _stage_tags(ctx: RunContext, sp: StagePlan) -> dict[str, str]:
         "lmforge.code_version": sp.version,
         "lmforge.inputs": ",".join(f"{n}={i}" for n, i in zip(sp.inputs, sp.input_ids)),
         "prefect.flow_run_id": ctx.flow_run.get("id", ""),
+        **{f"lmforge.env.{k}": v for k, v in provenance.environment().items()},
     }
 
 

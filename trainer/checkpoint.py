@@ -29,6 +29,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lmforge import provenance
 from lmforge.store import filesystem, sha256_file
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def upload(local_dir: Path, uri: str, step: int) -> str:
             fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
             fs.put_file(str(p), target)
             files.append({"path": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
-    marker = json.dumps({"step": step, "files": files, "uploaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    marker = json.dumps({"step": step, "files": files, "uploaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                         "environment": provenance.environment()})  # a resume elsewhere says what changed
     fs.pipe_file(f"{dest}/{DONE}", marker.encode())
     log.info("checkpoint %d uploaded: %d files, %.1f MB in %.1fs -> %s/%s%d", step, len(files),
              sum(f["bytes"] for f in files) / 2**20, time.monotonic() - t0, uri, PREFIX, step)
@@ -152,6 +154,33 @@ def restore_latest(uri: str, dest: Path) -> tuple[Path, int] | None:
     local = download(uri, step, dest)
     log.info("resuming from checkpoint %d (%s/%s%d)", step, uri, PREFIX, step)
     return local, step
+
+
+def saved_environment(uri: str, step: int) -> dict[str, str] | None:
+    """The environment (python, torch, CUDA, GPUs, CPU, host) that DONE of checkpoint-<step> records; None for a
+    checkpoint saved before lmforge recorded it."""
+    fs, root = filesystem(uri)
+    try:
+        marker = json.loads(fs.cat_file(f"{root}/{PREFIX}{step}/{DONE}"))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    env = marker.get("environment") if isinstance(marker, dict) else None
+    return env if isinstance(env, dict) else None
+
+
+def warn_if_environment_changed(uri: str, step: int, stage: str) -> list[str]:
+    """Before resuming from checkpoint-<step>: a WARNING naming what differs between the machine that saved it and
+    this one. The resume goes on, but its result may differ from an uninterrupted run's. Returns the changes."""
+    before = saved_environment(uri, step)
+    if before is None:
+        return []
+    now = provenance.environment()
+    changes = provenance.environment_changes(before, now)
+    if changes:
+        log.warning("resuming %s from step %d made on %s, now %s (%s): the result may differ from a run without the "
+                    "interruption", stage, step, provenance.describe(before), provenance.describe(now),
+                    ", ".join(changes))
+    return changes
 
 
 # ----------------------------------------------------------------------------------------------

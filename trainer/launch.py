@@ -131,6 +131,7 @@ def run(spec: JobSpec, *, root: Path | None = None, launcher: str | None = None,
     restored = checkpoint.restore_latest(spec.checkpoint_uri, work / "resume")
     spec = spec.model_copy(update={"settings": settings})
     if restored is not None:
+        checkpoint.warn_if_environment_changed(spec.checkpoint_uri, restored[1], spec.stage)
         spec = spec.model_copy(update={"resume_from": str(restored[0]), "resume_step": restored[1]})
     spec_path = work / "spec.json"
     spec.write(spec_path)
