@@ -254,12 +254,13 @@ class PeakMemory:
 
 def child(args) -> None:
     """Run the stage once (in a fresh process) and print one JSON line of figures."""
+    from lmforge import fingerprint
     from tasks.dedup import STAGE, DedupConfig, run
 
     store = ArtifactStore(args.store)
     src = store.require("ingest", args.input)
     cfg = DedupConfig(kind="dedup", inputs=["corpus"], workers=args.workers)
-    aid = artifact_id("dedup", STAGE.version, cfg.settings(), [src.id])
+    aid = artifact_id("dedup", fingerprint.for_stage(STAGE).fingerprint, cfg.settings(), [src.id])
     mem = PeakMemory()
     t0 = time.perf_counter()
     with store.staging("dedup", aid) as out:

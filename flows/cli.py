@@ -32,6 +32,10 @@ def _add_config_args(p: argparse.ArgumentParser, force: bool = False) -> None:
     if force:
         p.add_argument("--force", action="append", default=[], metavar="STAGE",
                        help="rerun this stage and everything downstream of it even if cached (repeatable)")
+        p.add_argument("--accept-code-change", action="append", default=[], metavar="STAGE",
+                       help="keep this stage's earlier artifact although the code (or a library) that makes it "
+                            "changed, so neither it nor its dependants rerun; only when its config and inputs are "
+                            "unchanged. Recorded in the store, the manifest and MLflow (repeatable)")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -47,7 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from lmforge.plan import make_plan
 
     cfg = load_config(args.config, _kinds(), args.override)
-    print(make_plan(cfg, _kinds(), args.force).format())
+    print(make_plan(cfg, _kinds(), args.force, accept_code_change=args.accept_code_change).format())
     return 0
 
 
@@ -56,11 +60,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # fail fast on config and input problems, before the Prefect engine starts
     cfg = load_config(args.config, _kinds(), args.override)
-    make_plan(cfg, _kinds(), args.force)
+    make_plan(cfg, _kinds(), args.force, accept_code_change=args.accept_code_change)
     from flows.pipeline import pipeline
 
     try:
-        summary = pipeline(config_path=os.path.abspath(args.config), overrides=args.override, force=args.force)
+        summary = pipeline(config_path=os.path.abspath(args.config), overrides=args.override, force=args.force,
+                           accept_code_change=args.accept_code_change)
     except StageFailed as e:
         print(f"lmforge run: {e}", file=sys.stderr)
         return 1
@@ -124,7 +129,8 @@ def cmd_artifacts_show(args: argparse.Namespace) -> int:
     by = m.get("produced_by", {})
     print(f"artifact {a.kind}/{a.id}\n  uri:      {a.uri}\n  made by:  pipeline {by.get('pipeline')}, stage "
           f"{by.get('stage')}, MLflow run {by.get('mlflow_run_id')}, flow run {by.get('flow_run_id')}\n"
-          f"  code:     version {m.get('code_version')}, git {m.get('git_commit')}\n"
+          f"  code:     fingerprint {m.get('code_version')}, git {m.get('git_commit')}"
+          f"{_accepted_line(m)}\n"
           f"  finished: {m.get('timings', {}).get('finished_at')} ({m.get('timings', {}).get('seconds')}s)\n"
           f"  config:   {json.dumps(m.get('config'), sort_keys=True)}\n  files:")
     for f in m["files"]:
@@ -133,6 +139,13 @@ def cmd_artifacts_show(args: argparse.Namespace) -> int:
     for line in lineage(store, a, 2):
         print(line)
     return 0
+
+
+def _accepted_line(m: dict[str, Any]) -> str:
+    """`; kept across code changes: <when>: <what>` for an artifact reused by --accept-code-change."""
+    acc = m.get("code_change_accepted") or []
+    return "; kept across code changes: " + "; ".join(f"{a.get('accepted_at')}: {a.get('changes')}" for a in acc) \
+        if acc else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

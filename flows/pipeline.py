@@ -69,11 +69,13 @@ def stage_task(ctx: RunContext, name: str) -> dict[str, Any]:
 
 @flow(name="lmforge-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=MAX_PARALLEL_STAGES),
       validate_parameters=True)
-def pipeline(config_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict[str, Any]:
-    """Run the pipeline declared in `config_path`; stages with a finished artifact are skipped."""
+def pipeline(config_path: str, overrides: list[str] | None = None, force: list[str] | None = None,
+             accept_code_change: list[str] | None = None) -> dict[str, Any]:
+    """Run the pipeline declared in `config_path`; stages with a finished artifact are skipped. A stage named in
+    `accept_code_change` keeps its earlier artifact across a code change (see `lmforge run --accept-code-change`)."""
     setup_logging()
     cfg = load_config(config_path, REGISTRY, overrides or [])
-    plan = make_plan(cfg, REGISTRY, force or [])
+    plan = make_plan(cfg, REGISTRY, force or [], accept_code_change=accept_code_change or [])
     log.info("plan:\n%s", plan.format())
     flow_run = {"id": str(runtime.flow_run.id or ""), "name": str(runtime.flow_run.name or "")}
     tracker = Tracker(cfg.tracking_uri, cfg.name)
@@ -88,6 +90,7 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
         "lmforge.git_commit": provenance.git_commit(),
         **{f"lmforge.env.{k}": v for k, v in provenance.environment().items()},
         "lmforge.forced": ",".join(force or []),
+        "lmforge.accept_code_change": ",".join(accept_code_change or []),
     })
     tracker.log_params(parent, {n: sp.settings for n, sp in plan.stages.items()})
     tracker.log_text(parent, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from lmforge import provenance
 from lmforge.datasets import DatasetInput
-from lmforge.errors import FailedAfterPublish
+from lmforge.errors import ArtifactError, FailedAfterPublish
 from lmforge.plan import Plan, StagePlan
 from lmforge.stage import StageDef, StageRuntime, numeric_leaves
 from lmforge.store import Artifact, _now
@@ -34,7 +34,7 @@ class RunContext:
 
 
 def _stage_tags(ctx: RunContext, sp: StagePlan) -> dict[str, str]:
-    return {
+    tags = {
         "lmforge.stage": sp.name,
         "lmforge.stage_kind": sp.kind,
         "lmforge.artifact_id": sp.artifact_id,
@@ -44,6 +44,24 @@ def _stage_tags(ctx: RunContext, sp: StagePlan) -> dict[str, str]:
         "prefect.flow_run_id": ctx.flow_run.get("id", ""),
         **{f"lmforge.env.{k}": v for k, v in provenance.environment().items()},
     }
+    if sp.accepted:  # an earlier artifact reused across a code change: never silent
+        a = sp.accepted
+        tags["lmforge.code_change_accepted"] = (f"{a['kind']}/{a['artifact_id']} kept instead of {a['new_artifact_id']} "
+                                                f"(accepted {a['accepted_at']}): {a['changes']}")[:5000]
+    return tags
+
+
+def _use_accepted(ctx: RunContext, sp: StagePlan, run_id: str | None) -> None:
+    """A stage that reuses an earlier artifact across a code change: record a new acceptance (manifest and
+    `_accepted`), and say so every time."""
+    a = dict(sp.accepted or {})
+    if sp.accepted_now:
+        ctx.plan.store.record_acceptance({**a, "mlflow_run_id": run_id, "flow_run_id": ctx.flow_run.get("id")})
+        sp.accepted_now = False  # once, also when Prefect retries the task
+    log.warning("stage %s: code change accepted (--accept-code-change %s, %s): using %s/%s, made by earlier code, "
+                "instead of making %s/%s; %s", sp.name, a["stage"], a["accepted_at"], sp.kind, a["artifact_id"],
+                sp.kind, a["new_artifact_id"], a["changes"])
+
 
 
 def _input_entry(ctx: RunContext, name: str) -> dict[str, Any]:
@@ -104,6 +122,9 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                                   ctx.parent_run_id)
             tr.log_params(run_id, sp.settings)
             tr.log_metrics(run_id, numeric_leaves(existing.result))
+        if sp.accepted:
+            _use_accepted(ctx, sp, run_id)
+        if tr:
             if not existing.manifest.get("failure"):
                 _register_model(ctx, sp, existing, run_id)
             tr.end_run(run_id, "FAILED" if existing.manifest.get("failure") else "FINISHED")
@@ -114,6 +135,9 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
         return {"stage": name, "status": "cached", "artifact_id": sp.artifact_id, "uri": sp.uri,
                 "seconds": 0.0, "mlflow_run_id": run_id}
 
+    if sp.accepted:  # running here would write new code's output under the old code's id
+        raise ArtifactError(f"stage {name}: the artifact accepted across a code change, {sp.uri}, is gone; rerun "
+                            f"without --accept-code-change {name} to make {sp.kind}/{sp.accepted['new_artifact_id']}")
     sdef = ctx.kinds[sp.kind]
     run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "false"}, ctx.parent_run_id) if tr else None
     try:
@@ -142,6 +166,7 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                 "artifact_id": sp.artifact_id,
                 "kind": sp.kind,
                 "code_version": sp.version,
+                "code": sp.code.to_json() if sp.code else {},
                 "config": sp.settings,
                 "inputs": [_input_entry(ctx, i) for i in sp.inputs],
                 "output": {"type": sp.port.type, "data_kind": sp.port.data_kind} if sp.port else {},

@@ -5,7 +5,8 @@ A stage is one module with one entry point, `run(cfg, inputs, out) -> Result`:
 - `inputs` are what it reads, in the order of `cfg.inputs`: `DatasetInput` for raw datasets,
   `Artifact` for outputs of other stages,
 - `out` is a local staging folder it writes into; the store publishes it with a manifest.
-A `StageDef` bundles that function with its config model, code version and type check.
+A `StageDef` bundles that function with its config model, code version and type check; the code
+fingerprint in every artifact id covers its module and everything that module imports.
 """
 from __future__ import annotations
 
@@ -78,12 +79,15 @@ class StageRuntime:
 @dataclass(frozen=True)
 class StageDef:
     kind: str
-    version: str  # bump when the stage's output changes meaning; part of every artifact id
+    version: str  # a manual bump for what the source cannot show; the code fingerprint (lmforge.fingerprint) has it
     config: type[StageConfig]
     run: Callable[..., Result]  # run(cfg, inputs, out) -> Result, plus runtime= if wants_runtime
     output_port: Callable[[Any, list[Port]], Port]  # raises ValueError naming the bad input
     description: str = ""
     wants_runtime: bool = False
+    #: modules that make the output besides `run`'s module and what it imports: the training child's entry
+    #: point and the recipe it loads by name (`trainer.entry` imports `trainer.<method>` dynamically)
+    code: tuple[str, ...] = ()
 
 
 def expect_inputs(inputs: list[Port], stage: str, *, count: int | None = None, types: set[str],

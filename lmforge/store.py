@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 CHECKPOINTS = "_checkpoints"
 HISTORY = "_history"
+ACCEPTED = "_accepted"  # {store}/_accepted/{kind}/{new_id}.json: an earlier artifact reused across a code change
 RESERVED = {MANIFEST, CHECKPOINTS, HISTORY}
 ID_LEN = 16
 
@@ -39,9 +40,10 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def artifact_id(kind: str, version: str, settings: dict[str, Any], input_ids: list[str]) -> str:
-    """Stable id: depends on what defines the output, never on paths, names or machines."""
-    body = {"kind": kind, "version": version, "config": settings, "inputs": input_ids}
+def artifact_id(kind: str, code: str, settings: dict[str, Any], input_ids: list[str]) -> str:
+    """Stable id: depends on what defines the output (the stage kind, its code fingerprint from
+    `lmforge.fingerprint`, its normalized settings and its inputs' ids), never on paths, names or machines."""
+    body = {"kind": kind, "code": code, "config": settings, "inputs": input_ids}
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()[:ID_LEN]
 
 
@@ -338,6 +340,35 @@ class ArtifactStore:
                 return json.loads(f.read())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
+
+
+    # ---- code changes accepted by name (`lmforge run --accept-code-change STAGE`)
+    def acceptance_path(self, kind: str, new_id: str) -> str:
+        return f"{self.root}/{ACCEPTED}/{kind}/{new_id}.json"
+
+    def get_acceptance(self, kind: str, new_id: str) -> dict[str, Any] | None:
+        """The record saying that `kind/new_id` (the id of the current code) reuses an earlier artifact, or None."""
+        try:
+            with self.fs.open(self.acceptance_path(kind, new_id), "rb") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{self.url}/{ACCEPTED}/{kind}/{new_id}.json: not valid JSON ({e}); delete it and "
+                                "accept the code change again") from None
+
+    def record_acceptance(self, record: dict[str, Any]) -> None:
+        """Keep a code change accepted for good: append it to the reused artifact's manifest
+        (`code_change_accepted`, rewritten atomically), then write `_accepted/{kind}/{new_id}.json`, which later
+        plans read. The artifact's files do not change."""
+        kind, old_id, new_id = record["kind"], record["artifact_id"], record["new_artifact_id"]
+        art = self.require(kind, old_id)
+        manifest = dict(art.manifest)
+        entries = [e for e in manifest.get("code_change_accepted", []) if e.get("new_artifact_id") != new_id]
+        manifest["code_change_accepted"] = [*entries, {k: v for k, v in record.items() if k != "code_before"}]
+        self._write_json(f"{self.artifact_path(kind, old_id)}/{MANIFEST}", manifest)
+        self.fs.makedirs(f"{self.root}/{ACCEPTED}/{kind}", exist_ok=True)
+        self._write_json(self.acceptance_path(kind, new_id), record)
 
 
 def _now() -> str:

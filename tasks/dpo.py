@@ -79,5 +79,6 @@ def output_port(cfg: DpoStageConfig, inputs: list[Port]) -> Port:
     return Port("model")
 
 
-STAGE = StageDef(kind="dpo", version="1", config=DpoStageConfig, run=run, output_port=output_port, wants_runtime=True,
+STAGE = StageDef(kind="dpo", version="1", code=("trainer.entry", "trainer.dpo"),  # the child's code
+                 config=DpoStageConfig, run=run, output_port=output_port, wants_runtime=True,
                  description="SFT model + preference shards -> DPO-tuned model or LoRA adapter (TRL DPOTrainer)")

@@ -114,6 +114,7 @@ def output_port(cfg: PpoStageConfig, inputs: list[Port]) -> Port:
     return Port("model")
 
 
-STAGE = StageDef(kind="ppo", version="1", config=PpoStageConfig, run=run, output_port=output_port,
+STAGE = StageDef(kind="ppo", version="1", code=("trainer.entry", "trainer.ppo"),  # the child's code
+                 config=PpoStageConfig, run=run, output_port=output_port,
                  wants_runtime=True, description="SFT policy + reward model + prompts -> PPO-tuned model or LoRA "
                  "adapter (TRL PPOTrainer, full/lora/qlora)")

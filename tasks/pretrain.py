@@ -100,6 +100,7 @@ def output_port(cfg: PretrainConfig, inputs: list[Port]) -> Port:
     return Port("model")
 
 
-STAGE = StageDef(kind="pretrain", version="1", config=PretrainConfig, run=run, output_port=output_port,
+STAGE = StageDef(kind="pretrain", version="1", code=("trainer.entry", "trainer.pretrain"),  # the child's code
+                 config=PretrainConfig, run=run, output_port=output_port,
                  wants_runtime=True,
                  description="text shards -> causal LM from scratch or continued (packed rows, streamed shards)")

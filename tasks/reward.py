@@ -106,5 +106,6 @@ def output_port(cfg: RewardStageConfig, inputs: list[Port]) -> Port:
     return Port("model", "reward")
 
 
-STAGE = StageDef(kind="reward", version="1", config=RewardStageConfig, run=run, output_port=output_port,
+STAGE = StageDef(kind="reward", version="1", code=("trainer.entry", "trainer.reward"),  # the child's code
+                 config=RewardStageConfig, run=run, output_port=output_port,
                  wants_runtime=True, description="preference shards -> reward model (TRL RewardTrainer, full/lora)")

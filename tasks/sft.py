@@ -171,5 +171,6 @@ def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
     return Port("model")
 
 
-STAGE = StageDef(kind="sft", version="1", config=SftConfig, run=run, output_port=output_port, wants_runtime=True,
+STAGE = StageDef(kind="sft", version="1", code=("trainer.entry", "trainer.sft"),  # the child's code
+                 config=SftConfig, run=run, output_port=output_port, wants_runtime=True,
                  description="chat shards -> fine-tuned model or LoRA adapter (TRL SFTTrainer, full/lora/qlora)")

@@ -11,6 +11,7 @@ import pytest
 from datasketch import MinHash
 from datasketch.hashfunc import sha1_hash32
 
+from lmforge import fingerprint
 from lmforge.config import parse_config
 from lmforge.errors import ConfigError
 from lmforge.records import RecordWriter, iter_records
@@ -36,7 +37,7 @@ def publish_records(store: ArtifactStore, records: list[dict], kind: str = "text
 def dedup(store: ArtifactStore, src, **settings):
     """Run the stage into a fresh staging folder and publish it; returns (artifact, result)."""
     cfg = DedupConfig(kind="dedup", inputs=["corpus"], **settings)
-    aid = artifact_id("dedup", STAGE.version, cfg.settings(), [src.id])
+    aid = artifact_id("dedup", fingerprint.for_stage(STAGE).fingerprint, cfg.settings(), [src.id])
     with store.staging("dedup", aid) as out:
         result = run(cfg, [src], out)
         art = store.publish("dedup", aid, out, {"result": result.model_dump(mode="json")}, replace=True)
