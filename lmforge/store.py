@@ -20,7 +20,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import fsspec
 
@@ -82,6 +82,34 @@ def file_fingerprint(path: Path) -> str:
     return _sha256_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
+def _sha256_stream(fs: fsspec.AbstractFileSystem, path: str) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while b := f.read(1 << 20):
+            h.update(b)
+            n += len(b)
+    return h.hexdigest(), n
+
+
+@functools.lru_cache(maxsize=1024)
+def _object_sha256(fs: fsspec.AbstractFileSystem, path: str, etag: str, size: int) -> tuple[str, int]:
+    return _sha256_stream(fs, path)
+
+
+def fingerprint(fs: fsspec.AbstractFileSystem, path: str) -> tuple[str, int]:
+    """(sha256, bytes) of a file on any filesystem, hashed once per process while it is unchanged: a local file
+    is known by (path, size, mtime), an object by its ETag (S3 changes it with every write). An object store
+    without ETags is hashed every time."""
+    if is_local(fs):
+        p = Path(path)
+        return file_fingerprint(p), p.stat().st_size
+    info = fs.info(path)
+    etag = info.get("ETag") or info.get("etag")
+    if not etag:
+        return _sha256_stream(fs, path)
+    return _object_sha256(fs, path, str(etag), int(info.get("size") or 0))
+
+
 def folder_fingerprint(folder: Path) -> str | None:
     """`sha256:<32 hex>` over a folder's file names and contents (hidden files and __pycache__ left
     out): what an artifact id hashes instead of a local model or task folder's path. None if no folder."""
@@ -96,12 +124,31 @@ def folder_fingerprint(folder: Path) -> str | None:
     return "sha256:" + h.hexdigest()[:32]
 
 
-class _VerifyingReader(io.RawIOBase):
-    """Raw reader that checks byte count and sha256 against the manifest when it reaches EOF."""
+SPOOL_BYTES = 64 * 2**20  # a verified copy stays in memory up to this size, then spills to a temporary file
 
-    def __init__(self, f: IO[bytes], name: str, size: int, sha256: str):
+
+def mismatch_error(artifact: str, file: str, location: str, got: tuple[int, str] | None, want: tuple[int, str],
+                   stage: str | None = None) -> ArtifactError:
+    """The error for a file whose bytes are not what its manifest lists: which artifact, which file, and the fix.
+    `got` is (bytes, sha256) as read, None when the file is missing."""
+    if got is None:
+        what = f"is missing ({location}); the manifest lists {want[0]} bytes, sha256 {want[1][:12]}…"
+    else:
+        what = (f"content does not match its manifest (read {got[0]} bytes, sha256 {got[1][:12]}…; the manifest says "
+                f"{want[0]} bytes, {want[1][:12]}…) at {location}")
+    rerun = (f"rerun stage '{stage}' with --force (`lmforge run <config> --force {stage}`)" if stage
+             else "rerun the stage that produced it with --force")
+    return ArtifactError(f"artifact {artifact}, file {file}: {what}. The artifact was modified or damaged after it "
+                         f"was published; {rerun}.")
+
+
+class VerifyingReader(io.RawIOBase):
+    """Raw reader that hashes what passes through and checks byte count and sha256 when it reaches EOF (or at
+    `finish`). For streams whose consumer may act on bytes before the end; `read_verified` checks first."""
+
+    def __init__(self, f: IO[bytes], size: int, sha256: str, mismatch: Callable[[int, str], Exception]):
         super().__init__()
-        self._f, self._name, self._size, self._sha = f, name, size, sha256
+        self._f, self._size, self._sha, self._mismatch = f, size, sha256, mismatch
         self._h = hashlib.sha256()
         self._n = 0
         self._checked = False
@@ -119,18 +166,40 @@ class _VerifyingReader(io.RawIOBase):
             self._check()
         return n
 
+    def finish(self) -> None:
+        """Read what the consumer left, and check."""
+        while self.read(1 << 20):
+            pass
+        if not self._checked:
+            self._check()
+
     def _check(self) -> None:
         self._checked = True
         if self._n != self._size or self._h.hexdigest() != self._sha:
-            raise ArtifactError(
-                f"{self._name}: content does not match its manifest (read {self._n} bytes, sha256 "
-                f"{self._h.hexdigest()[:12]}…; manifest says {self._size} bytes, {self._sha[:12]}…). "
-                "The artifact was modified or damaged; rerun the stage with --force."
-            )
+            raise self._mismatch(self._n, self._h.hexdigest())
 
     def close(self) -> None:
         self._f.close()
         super().close()
+
+
+def read_verified(f: IO[bytes], size: int, sha256: str, mismatch: Callable[[int, str], Exception]) -> IO[bytes]:
+    """A copy of the stream `f`, checked against (size, sha256) before anyone reads it: one pass that hashes the
+    bytes as they are copied, in memory up to SPOOL_BYTES, then in a temporary file. Returned at position 0."""
+    buf = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+    h, n = hashlib.sha256(), 0
+    try:
+        while b := f.read(1 << 20):
+            h.update(b)
+            n += len(b)
+            buf.write(b)
+        if n != size or h.hexdigest() != sha256:
+            raise mismatch(n, h.hexdigest())
+    except BaseException:
+        buf.close()
+        raise
+    buf.seek(0)
+    return buf
 
 
 class Artifact:
@@ -168,11 +237,38 @@ class Artifact:
         except KeyError:
             raise ArtifactError(f"{self.uri}: has no file {rel!r}; files: {', '.join(sorted(self.files))}") from None
 
-    def open(self, rel: str) -> io.BufferedReader:
-        """Open a file for reading; reading it to the end verifies it against the manifest."""
+    @property
+    def producer(self) -> str | None:
+        """The pipeline stage that produced this artifact (the one to rerun with --force when it is damaged)."""
+        return self.manifest.get("produced_by", {}).get("stage")
+
+    def mismatch(self, rel: str, got: tuple[int, str] | None, location: str | None = None) -> ArtifactError:
+        """The error for file `rel` read as `got` (bytes, sha256), or missing (None)."""
         e = self._entry(rel)
-        f = self.store.fs.open(f"{self.path}/{rel}", "rb")
-        return io.BufferedReader(_VerifyingReader(f, f"{self.uri}/{rel}", e["bytes"], e["sha256"]), 1 << 20)
+        return mismatch_error(f"{self.kind}/{self.id}", rel, location or f"{self.uri}/{rel}", got,
+                              (e["bytes"], e["sha256"]), self.producer)
+
+    def _open_raw(self, rel: str) -> IO[bytes]:
+        try:
+            return self.store.fs.open(f"{self.path}/{rel}", "rb")
+        except FileNotFoundError:
+            raise self.mismatch(rel, None) from None
+
+    def open(self, rel: str) -> io.BufferedReader:
+        """Open a file for streaming; reading it to the end verifies it against the manifest. The bytes before
+        the end are not checked yet: use it where nothing is kept or published before the end (a download, a
+        first pass), and `open_verified` where records are used as they come."""
+        e = self._entry(rel)
+        f = self._open_raw(rel)
+        return io.BufferedReader(VerifyingReader(f, e["bytes"], e["sha256"], lambda n, h: self.mismatch(rel, (n, h))),
+                                 1 << 20)
+
+    def open_verified(self, rel: str) -> IO[bytes]:
+        """A copy of a file, already checked against the manifest (size and sha256) before its first byte is
+        used: one read, hashed as it is copied (in memory up to SPOOL_BYTES, else a temporary file)."""
+        e = self._entry(rel)
+        with self._open_raw(rel) as f:
+            return read_verified(f, e["bytes"], e["sha256"], lambda n, h: self.mismatch(rel, (n, h)))
 
     def verify(self) -> None:
         """Check every file's size and sha256 (reads everything)."""
@@ -180,6 +276,19 @@ class Artifact:
             with self.open(rel) as f:
                 while f.read(1 << 20):
                     pass
+
+    def verify_local(self, folder: Path, prefix: str = "", max_bytes: int | None = None) -> None:
+        """Check local files against the manifest: file `prefix + name` is `folder / name` (the local store's own
+        folder, or a downloaded copy). `max_bytes` limits the check to files up to that size (configs only)."""
+        for rel, e in self.files.items():
+            if not rel.startswith(prefix) or (max_bytes is not None and e["bytes"] > max_bytes):
+                continue
+            p = folder / rel[len(prefix):]
+            if not p.is_file():
+                raise self.mismatch(rel, None, str(p))
+            got = (p.stat().st_size, sha256_file(p))
+            if got != (e["bytes"], e["sha256"]):
+                raise self.mismatch(rel, got, str(p))
 
 
 class ArtifactStore:
