@@ -131,13 +131,14 @@ def part_names(artifact: Artifact) -> list[str]:
 
 
 def iter_part(artifact: Artifact, part: str) -> Iterator[dict[str, Any]]:
-    with artifact.open(part) as f:
+    """The records of one part, checked against the manifest (size and sha256) before the first is used."""
+    with artifact.open_verified(part) as f:
         for line in f:
             yield json.loads(line)
 
 
 def iter_records(artifact: Artifact) -> Iterator[dict[str, Any]]:
-    """Every record of a records artifact, in order, verified against the manifest."""
+    """Every record of a records artifact, in order; each part is verified against the manifest before use."""
     for part in part_names(artifact):
         yield from iter_part(artifact, part)
 

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from lmforge.config import StageConfig
 from lmforge.errors import ConfigError
-from lmforge.shards import shard_urls
+from lmforge.shards import shard_refs
 from lmforge.stage import Port, Result, StageDef, StageRuntime
 from lmforge.store import Artifact, file_fingerprint, folder_fingerprint
 from trainer.settings import SftSettings
@@ -130,7 +130,8 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
         with launch.work_dir(runtime.stage, runtime.artifact_id) as work:
             spec = JobSpec(
                 method=method, stage=runtime.stage, settings=settings,
-                train_urls=shard_urls(shards, "train"), validation_urls=shard_urls(shards, "validation"),
+                # each shard with its manifest's size and sha256: the child checks them before using a record
+                train_shards=shard_refs(shards, "train"), validation_shards=shard_refs(shards, "validation"),
                 tokenizer=ArtifactRef.of(tokenizer) if tokenizer else None,
                 model=ArtifactRef.of(model) if model else None,
                 reward_model=ArtifactRef.of(reward_model) if reward_model else None,

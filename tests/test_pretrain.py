@@ -127,12 +127,12 @@ def _read_split(urls, tok, ranks: int, workers: int, **kw) -> dict[int, list[tup
 
 
 def test_stream_gives_every_packed_row_once_across_2_ranks_x_2_workers(root, kinds_module):
-    from lmforge.shards import shard_urls
+    from lmforge.shards import shard_refs
     from trainer.stream import packed_rows
 
     plan = make(root, kinds_module, {})
     tok = _tokenizer(plan)
-    urls = shard_urls(artifact(plan, "shard_text"), "train")
+    urls = shard_refs(artifact(plan, "shard_text"), "train")
     assert len(urls) == 9  # 360 train records, 40 per shard
     every = [tuple(r) for r in packed_rows(urls, tok, LENGTH, where="test")]
     assert len(every) > 100 and all(len(r) == LENGTH for r in every)
@@ -156,12 +156,12 @@ def test_stream_gives_every_packed_row_once_across_2_ranks_x_2_workers(root, kin
 def test_stream_is_endless_deterministic_and_reshuffled_every_pass(root, kinds_module):
     import itertools
 
-    from lmforge.shards import shard_urls
+    from lmforge.shards import shard_refs
     from trainer.stream import PackedTextStream, packed_rows
 
     plan = make(root, kinds_module, {})
     tok = _tokenizer(plan)
-    urls = shard_urls(artifact(plan, "shard_text"), "train")
+    urls = shard_refs(artifact(plan, "shard_text"), "train")
     n = len(packed_rows(urls, tok, LENGTH, where="test"))
     stream = lambda: PackedTextStream(urls, tok, LENGTH, where="test", seed=1, shuffle_buffer_rows=32,
                                       rank=0, world_size=1)
@@ -175,7 +175,7 @@ def test_stream_is_endless_deterministic_and_reshuffled_every_pass(root, kinds_m
 
 @pytest.mark.s3
 def test_stream_reads_shards_from_an_s3_store_in_dataloader_workers(s3, root, kinds_module, tmp_path):
-    from lmforge.shards import shard_urls
+    from lmforge.shards import shard_refs
     from trainer.stream import packed_rows
 
     write_jsonl(tmp_path / "data" / "text.jsonl", fact_docs(120, seed=5))
@@ -186,8 +186,8 @@ def test_stream_reads_shards_from_an_s3_store_in_dataloader_workers(s3, root, ki
     ctx = RunContext(plan=plan, kinds=kinds_module)
     for name in ("ingest_text", "shard_text"):
         execute_stage(ctx, name)
-    urls = shard_urls(artifact(plan, "shard_text"), "train")
-    assert len(urls) == 3 and all(u.startswith("s3://lmforge-test/pretrain-stream/shard/") for u in urls)
+    urls = shard_refs(artifact(plan, "shard_text"), "train")
+    assert len(urls) == 3 and all(u.url.startswith("s3://lmforge-test/pretrain-stream/shard/") for u in urls)
     tok = _tokenizer(make(root, kinds_module, {}))
     every = [tuple(r) for r in packed_rows(urls, tok, LENGTH, where="test")]
     by_reader = _read_split(urls, tok, ranks=1, workers=2, shuffle_buffer_rows=8)  # forked workers open s3://
@@ -197,11 +197,11 @@ def test_stream_reads_shards_from_an_s3_store_in_dataloader_workers(s3, root, ki
 
 def test_a_reader_without_rows_is_an_error_not_an_endless_loop(root, kinds_module):
     from lmforge.errors import DataError
-    from lmforge.shards import shard_urls
+    from lmforge.shards import shard_refs
     from trainer.stream import PackedTextStream
 
     plan = make(root, kinds_module, {})
-    urls = shard_urls(artifact(plan, "shard_text"), "validation")
+    urls = shard_refs(artifact(plan, "shard_text"), "validation")
     s = PackedTextStream(urls, _tokenizer(plan), 4096, where="stage p train split", rank=0, world_size=1)
     with pytest.raises(DataError) as e:
         next(iter(s))

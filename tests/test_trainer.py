@@ -655,7 +655,7 @@ def test_a_failing_training_process_becomes_a_clear_error(tmp_path):
     from trainer.errors import TrainingError
     from trainer.job import JobSpec
 
-    spec = JobSpec(method="sft", stage="broken", settings={"learning_rate": -1}, train_urls=[],
+    spec = JobSpec(method="sft", stage="broken", settings={"learning_rate": -1}, train_shards=[],
                    output_dir=str(tmp_path / "out"), work_dir=str(tmp_path), checkpoint_uri=str(tmp_path / "ckpt"))
     with pytest.raises(TrainingError) as e:
         launch.run(spec)
@@ -672,7 +672,7 @@ def test_training_jobs_of_one_process_take_turns(tmp_path, caplog):
     from trainer.errors import TrainingError
     from trainer.job import JobSpec
 
-    spec = JobSpec(method="sft", stage="second", settings={"learning_rate": -1}, train_urls=[],
+    spec = JobSpec(method="sft", stage="second", settings={"learning_rate": -1}, train_shards=[],
                    output_dir=str(tmp_path / "out"), work_dir=str(tmp_path), checkpoint_uri=str(tmp_path / "ckpt"))
     outcome: list[BaseException] = []
 
@@ -701,7 +701,7 @@ def test_a_setting_error_in_the_training_process_comes_back_naming_the_field(tmp
     from trainer.errors import SettingError
     from trainer.job import JobSpec
 
-    spec = JobSpec(method="sft", stage="s", settings={"base_model": {"config": TINY_LLAMA}}, train_urls=[],
+    spec = JobSpec(method="sft", stage="s", settings={"base_model": {"config": TINY_LLAMA}}, train_shards=[],
                    output_dir=str(tmp_path / "out"), work_dir=str(tmp_path), checkpoint_uri=str(tmp_path / "ckpt"))
     with pytest.raises(SettingError) as e:  # the stage turns it into ConfigError "stages.<name>.inputs: ..."
         launch.run(spec)

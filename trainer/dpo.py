@@ -64,10 +64,10 @@ def train(spec: JobSpec) -> dict[str, Any]:
     conversational = bool(tokenizer.chat_template)
 
     # 2. data: identical pairs skipped here, prompts that fill max_length dropped by the trainer (counted below)
-    train_pairs = preference_dataset(spec.train_urls, f"stage {spec.stage} train split", conversational,
+    train_pairs = preference_dataset(spec.train_shards, f"stage {spec.stage} train split", conversational,
                                      s.max_train_records)
-    eval_pairs = (preference_dataset(spec.validation_urls, f"stage {spec.stage} validation split", conversational)
-                  if s.evaluate and spec.validation_urls else None)
+    eval_pairs = (preference_dataset(spec.validation_shards, f"stage {spec.stage} validation split", conversational)
+                  if s.evaluate and spec.validation_shards else None)
     require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
                   f"stage {spec.stage}", "other")
 

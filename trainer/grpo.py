@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import DataError
+from lmforge.shards import ShardRef
 from trainer import checkpoint, data, models
 from trainer.args import training_args
 from trainer.errors import SettingError
@@ -103,11 +104,12 @@ def prompt_tokens(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def load_prompts(urls: list[str], where: str, tokenizer, s: GrpoSettings, max_records: int | None = None) -> Prompts:
+def load_prompts(shards: list[ShardRef], where: str, tokenizer, s: GrpoSettings,
+                 max_records: int | None = None) -> Prompts:
     conversational = bool(tokenizer.chat_template)
     rows, records, too_long = [], 0, 0
     room = s.max_length_tokens - s.max_completion_tokens
-    for rec in data.iter_records(urls):
+    for rec in data.iter_records(shards):
         if max_records is not None and records >= max_records:
             break
         records += 1
@@ -116,12 +118,12 @@ def load_prompts(urls: list[str], where: str, tokenizer, s: GrpoSettings, max_re
             too_long += 1
             continue
         rows.append(row)
-    if urls and not records:
+    if shards and not records:
         raise DataError(where, "the shards hold no records", "check the upstream stages' drop counts")
     if too_long:
         log.warning("%s: %d of %d prompts are longer than max_length_tokens %d - max_completion_tokens %d and are "
                     "skipped", where, too_long, records, s.max_length_tokens, s.max_completion_tokens)
-    log.info("%s: %d prompts from %d shard(s)", where, len(rows), len(urls))
+    log.info("%s: %d prompts from %d shard(s)", where, len(rows), len(shards))
     return Prompts(rows, records, too_long)
 
 
@@ -288,13 +290,13 @@ def train(spec: JobSpec) -> dict[str, Any]:
     models.check_max_length(models.load_config(res), s.max_length_tokens, res)
 
     # 2. prompts: training ones (repeats kept: they are samples), distinct held-out ones
-    train_p = load_prompts(spec.train_urls, f"stage {spec.stage} train split", tokenizer, s, s.max_train_records)
+    train_p = load_prompts(spec.train_shards, f"stage {spec.stage} train split", tokenizer, s, s.max_train_records)
     if not train_p.rows:
         raise DataError(f"stage {spec.stage}", f"no prompt is left to train on: {train_p.records} read, "
                         f"{train_p.too_long} longer than max_length_tokens - max_completion_tokens",
                         "raise max_length_tokens or lower max_completion_tokens")
-    eval_p = (load_prompts(spec.validation_urls, f"stage {spec.stage} validation split", tokenizer, s)
-              if s.evaluate and spec.validation_urls else Prompts([], 0, 0))
+    eval_p = (load_prompts(spec.validation_shards, f"stage {spec.stage} validation split", tokenizer, s)
+              if s.evaluate and spec.validation_shards else Prompts([], 0, 0))
     eval_rows = distinct(eval_p.rows, s.max_validation_prompts)
     train_keys = {json.dumps(r["prompt"], sort_keys=True) for r in train_p.rows}
     seen_in_train = sum(json.dumps(r["prompt"], sort_keys=True) in train_keys for r in eval_rows)

@@ -1,8 +1,9 @@
 """What the stage (parent process) hands to the training process (child): one JSON file.
 
-`JobSpec` carries the method, the stage's settings, the input shard URLs and artifact references, where
-to write the output, where checkpoints go and which MLflow run gets the metrics. Artifacts are passed
-by reference (store URL, kind, id) and read through their manifest in the child: `materialize` gives a
+`JobSpec` carries the method, the stage's settings, the input shards and artifact references, where
+to write the output, where checkpoints go and which MLflow run gets the metrics. Shards travel as
+`ShardRef`s (URL plus the manifest's size and sha256, checked before a shard is used); other artifacts
+by reference (store URL, kind, id), read through their manifest in the child: `materialize` gives a
 local folder whose files were checked against the manifest's sizes and sha256.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from lmforge.shards import ShardRef
 from lmforge.store import Artifact, ArtifactStore
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,8 @@ class JobSpec(BaseModel):
     method: str  # sft | ... : which recipe in trainer/ runs
     stage: str  # the pipeline's stage name, for logs and errors
     settings: dict[str, Any]  # the stage config's settings(); the recipe validates them into its own model
-    train_urls: list[str]
-    validation_urls: list[str] = []
+    train_shards: list[ShardRef]  # each checked against its manifest digest before its records are used
+    validation_shards: list[ShardRef] = []
     tokenizer: ArtifactRef | None = None
     model: ArtifactRef | None = None
     reward_model: ArtifactRef | None = None  # a `reward` stage's model (RL stages: grpo, rloo, ppo)

@@ -56,6 +56,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lmforge.errors import DataError
+from lmforge.shards import ShardRef
 from trainer import checkpoint, data, models
 from trainer.args import training_args
 from trainer.errors import SettingError
@@ -119,11 +120,12 @@ def prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def load_prompts(urls: list[str], where: str, tokenizer, s: PpoSettings, max_records: int | None = None) -> Prompts:
+def load_prompts(shards: list[ShardRef], where: str, tokenizer, s: PpoSettings,
+                 max_records: int | None = None) -> Prompts:
     conversational = bool(tokenizer.chat_template)
     room = s.max_length_tokens - s.max_new_tokens
     rows, records, too_long = [], 0, 0
-    for rec in data.iter_records(urls):
+    for rec in data.iter_records(shards):
         if max_records is not None and records >= max_records:
             break
         records += 1
@@ -133,12 +135,12 @@ def load_prompts(urls: list[str], where: str, tokenizer, s: PpoSettings, max_rec
             too_long += 1
             continue
         rows.append({"prompt": prompt, "input_ids": ids})
-    if urls and not records:
+    if shards and not records:
         raise DataError(where, "the shards hold no records", "check the upstream stages' drop counts")
     if too_long:
         log.warning("%s: %d of %d prompts are longer than max_length_tokens %d - max_new_tokens %d tokens and are "
                     "skipped", where, too_long, records, s.max_length_tokens, s.max_new_tokens)
-    log.info("%s: %d prompts from %d shard(s)", where, len(rows), len(urls))
+    log.info("%s: %d prompts from %d shard(s)", where, len(rows), len(shards))
     return Prompts(rows, records, too_long)
 
 
@@ -460,9 +462,10 @@ def train(spec: JobSpec) -> dict[str, Any]:
     saved_padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # PPO's queries are left-padded
 
     # 2. prompts: too long for a response -> skipped and counted
-    train_prompts = load_prompts(spec.train_urls, f"stage {spec.stage} train split", tokenizer, s, s.max_train_records)
-    eval_prompts = (load_prompts(spec.validation_urls, f"stage {spec.stage} validation split", tokenizer, s)
-                    if s.evaluate and spec.validation_urls else None)
+    train_prompts = load_prompts(spec.train_shards, f"stage {spec.stage} train split", tokenizer, s,
+                                 s.max_train_records)
+    eval_prompts = (load_prompts(spec.validation_shards, f"stage {spec.stage} validation split", tokenizer, s)
+                    if s.evaluate and spec.validation_shards else None)
     if not train_prompts.rows:
         raise DataError(f"stage {spec.stage} train split", f"no prompt is left to train on: {train_prompts.records} "
                         f"read, {train_prompts.too_long} longer than max_length_tokens - max_new_tokens",

@@ -67,11 +67,11 @@ def train(spec: JobSpec) -> dict[str, Any]:
     # 2. data: the train split streamed (or packed in memory), the validation split packed in memory
     where = f"stage {spec.stage} train split"
     if s.streaming:
-        train_ds = stream.PackedTextStream(spec.train_urls, tokenizer, s.max_length_tokens, where=where, seed=s.seed,
+        train_ds = stream.PackedTextStream(spec.train_shards, tokenizer, s.max_length_tokens, where=where, seed=s.seed,
                                            shuffle_buffer_rows=s.shuffle_buffer_rows)
         train_rows = None  # unknown without reading the whole split
     else:
-        rows = stream.packed_rows(spec.train_urls, tokenizer, s.max_length_tokens, where=where,
+        rows = stream.packed_rows(spec.train_shards, tokenizer, s.max_length_tokens, where=where,
                                   max_records=s.max_train_records)
         if not rows:
             raise DataError(where, f"no full row of {s.max_length_tokens} tokens", "add text or lower "
@@ -79,8 +79,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
         train_ds, train_rows = datasets.Dataset.from_dict({"input_ids": rows}), len(rows)
         log.info("%s: %d rows of %d tokens packed in memory", where, train_rows, s.max_length_tokens)
     held_out: list[list[int]] = []
-    if s.evaluate and spec.validation_urls:
-        held_out = stream.packed_rows(spec.validation_urls, tokenizer, s.max_length_tokens,
+    if s.evaluate and spec.validation_shards:
+        held_out = stream.packed_rows(spec.validation_shards, tokenizer, s.max_length_tokens,
                                       where=f"stage {spec.stage} validation split")
         if not held_out:
             log.warning("the validation split holds no full row of %d tokens: no validation loss",
@@ -127,7 +127,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "base_model": res.describe,
         "from_scratch": res.kind == "config",
         "streaming": s.streaming,
-        "train_shards": len(spec.train_urls),
+        "train_shards": len(spec.train_shards),
         "train_rows": train_rows,
         "validation_rows": len(held_out),
         "steps": state.global_step,

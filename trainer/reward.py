@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import DataError
+from lmforge.shards import ShardRef
 from trainer import checkpoint, data, models
 from trainer.args import training_args
 from trainer.errors import SettingError
@@ -52,7 +53,8 @@ class Pairs:
     identical: int  # chosen == rejected: no preference to learn, skipped
 
 
-def preference_dataset(urls: list[str], where: str, conversational: bool, max_records: int | None = None) -> Pairs:
+def preference_dataset(shards: list[ShardRef], where: str, conversational: bool,
+                       max_records: int | None = None) -> Pairs:
     """Preference records {prompt, chosen, rejected} -> a TRL preference dataset, without identical pairs.
 
     conversational: prompt becomes a user turn and chosen/rejected assistant turns, rendered by the
@@ -61,7 +63,7 @@ def preference_dataset(urls: list[str], where: str, conversational: bool, max_re
     import datasets
 
     rows, records, identical = [], 0, 0
-    for rec in data.iter_records(urls):
+    for rec in data.iter_records(shards):
         if max_records is not None and records >= max_records:
             break
         missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(rec.get(k), str)]
@@ -78,12 +80,12 @@ def preference_dataset(urls: list[str], where: str, conversational: bool, max_re
                          "rejected": [{"role": "assistant", "content": rec["rejected"]}]})
         else:
             rows.append({"prompt": rec["prompt"], "chosen": rec["chosen"], "rejected": rec["rejected"]})
-    if urls and not records:
+    if shards and not records:
         raise DataError(where, "the shards hold no records", "check the upstream stages' drop counts")
     if identical:
         log.warning("%s: %d of %d pairs have chosen == rejected (nothing to prefer) and are skipped", where,
                     identical, records)
-    log.info("%s: %d preference pairs from %d shard(s)", where, len(rows), len(urls))
+    log.info("%s: %d preference pairs from %d shard(s)", where, len(rows), len(shards))
     return Pairs(datasets.Dataset.from_list(rows) if rows else None, records, identical)
 
 
@@ -223,10 +225,10 @@ def train(spec: JobSpec) -> dict[str, Any]:
     conversational = bool(tokenizer.chat_template)
 
     # 2. data: identical pairs skipped here, too-long pairs dropped by the trainer (counted below)
-    train_pairs = preference_dataset(spec.train_urls, f"stage {spec.stage} train split", conversational,
+    train_pairs = preference_dataset(spec.train_shards, f"stage {spec.stage} train split", conversational,
                                      s.max_train_records)
-    eval_pairs = (preference_dataset(spec.validation_urls, f"stage {spec.stage} validation split", conversational)
-                  if s.evaluate and spec.validation_urls else None)
+    eval_pairs = (preference_dataset(spec.validation_shards, f"stage {spec.stage} validation split", conversational)
+                  if s.evaluate and spec.validation_shards else None)
     require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
                   f"stage {spec.stage}", "other")
 

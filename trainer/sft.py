@@ -35,8 +35,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
     models.check_max_length(models.load_config(res), s.max_length_tokens, res)
 
     # 2. data, and a chat template that marks assistant turns for assistant-only loss
-    train_ds = data.chat_dataset(spec.train_urls, f"stage {spec.stage} train split", s.max_train_records)
-    eval_ds = data.chat_dataset(spec.validation_urls, f"stage {spec.stage} validation split") if s.evaluate else None
+    train_ds = data.chat_dataset(spec.train_shards, f"stage {spec.stage} train split", s.max_train_records)
+    eval_ds = data.chat_dataset(spec.validation_shards, f"stage {spec.stage} validation split") if s.evaluate else None
     if s.assistant_only_loss:
         marked = chat_templates.training_template(tokenizer, train_ds[:20]["messages"])
         if marked is not None:

@@ -1,10 +1,13 @@
 """Text shards -> rows of exactly `max_length_tokens` token ids, streamed, for causal-LM training.
 
-`PackedTextStream` is a torch `IterableDataset` over the webdataset shard URLs of one split (local paths
-or s3:// through fsspec). Each reader, one per (rank, DataLoader worker), reads its own part of the split,
-tokenizes the `text` records and packs them: every document's tokens, then EOS, concatenated and cut into
-rows of `max_length_tokens`. Packing restarts at each shard and drops the shard's last partial row, so the
-rows of a shard do not depend on who reads it.
+`PackedTextStream` is a torch `IterableDataset` over the webdataset shards of one split (`ShardRef`s: local
+paths or s3:// through fsspec, each with the size and sha256 its manifest lists). Each reader, one per (rank,
+DataLoader worker), reads its own part of the split, tokenizes the `text` records and packs them: every
+document's tokens, then EOS, concatenated and cut into rows of `max_length_tokens`. Packing restarts at each
+shard and drops the shard's last partial row, so the rows of a shard do not depend on who reads it. Each shard
+is read whole and checked against its manifest before its first row is made: a damaged shard fails the
+training (and the stage, before anything is published) with an error naming the artifact and the file; the
+model never trains on what it holds.
 
 Readers: rank r of R (`RANK`, `WORLD_SIZE`) with DataLoader worker w of W is reader r * W + w of R * W.
 - shards >= readers: each reader reads only its shards (every R*W-th of the pass's shard order);
@@ -31,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lmforge.errors import DataError
-from lmforge.shards import register_webdataset_schemes
+from lmforge.shards import ShardRef, iter_shards
 from trainer import job
 
 log = logging.getLogger(__name__)
@@ -40,15 +43,15 @@ TOKENIZE_BATCH = 64  # documents per tokenizer call
 
 
 class PackedTextStream(IterableDataset):
-    def __init__(self, urls: list[str], tokenizer, max_length_tokens: int, *, where: str, seed: int = 0,
+    def __init__(self, shards: list[ShardRef], tokenizer, max_length_tokens: int, *, where: str, seed: int = 0,
                  shuffle_buffer_rows: int = 0, endless: bool = True, rank: int | None = None,
                  world_size: int | None = None):
-        if not urls:
+        if not shards:
             raise DataError(where, "the split has no shards", "check the shard stage's output")
         if tokenizer.eos_token_id is None:
             raise DataError(where, "the tokenizer has no eos token to put between documents",
                             "use a tokenizer with an eos token (the tokenizer stage's has one)")
-        self.urls, self.tokenizer, self.length = list(urls), tokenizer, max_length_tokens
+        self.shards, self.tokenizer, self.length = list(shards), tokenizer, max_length_tokens
         self.where, self.seed, self.buffer, self.endless = where, seed, shuffle_buffer_rows, endless
         self.rank = job.rank() if rank is None else rank  # RANK and WORLD_SIZE, as torchrun sets them
         self.world_size = job.world_size() if world_size is None else world_size
@@ -61,21 +64,20 @@ class PackedTextStream(IterableDataset):
         return self.rank * workers + worker, self.world_size * workers
 
     def split_by(self, readers: int) -> str:
-        return "shard" if len(self.urls) >= readers else "row"
+        return "shard" if len(self.shards) >= readers else "row"
 
     def shard_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.urls)))
+        order = list(range(len(self.shards)))
         if self.buffer:
             random.Random(f"shards:{self.seed}:{epoch}").shuffle(order)
         return order
 
     # ---- the rows
     def __iter__(self) -> Iterator[dict[str, list[int]]]:
-        register_webdataset_schemes()  # also in a DataLoader worker started by spawn
         reader, readers = self.reader()
         if reader == 0:
             log.info("%s: %d shard(s) over %d reader(s) (%d rank(s) x %d worker(s)), split by %s, rows of %d tokens",
-                     self.where, len(self.urls), readers, self.world_size, readers // self.world_size,
+                     self.where, len(self.shards), readers, self.world_size, readers // self.world_size,
                      self.split_by(readers), self.length)
         epoch = 0
         while True:
@@ -85,7 +87,7 @@ class PackedTextStream(IterableDataset):
                 yield {"input_ids": row}
             if rows == 0:
                 raise DataError(self.where, f"reader {reader} of {readers} got no full row of {self.length} tokens "
-                                f"from {len(self.urls)} shard(s)", "add text, lower max_length_tokens, or use fewer "
+                                f"from {len(self.shards)} shard(s)", "add text, lower max_length_tokens, or use fewer "
                                 "ranks or DataLoader workers (num_workers)")
             if not self.endless:
                 return
@@ -95,9 +97,9 @@ class PackedTextStream(IterableDataset):
         """One pass: this reader's rows, shuffled in the buffer."""
         order = self.shard_order(epoch)
         if self.split_by(readers) == "shard":
-            mine: Iterator[list[int]] = (r for i in order[reader::readers] for r in self.pack(self.urls[i]))
+            mine: Iterator[list[int]] = (r for i in order[reader::readers] for r in self.pack(self.shards[i]))
         else:
-            every = (r for i in order for r in self.pack(self.urls[i]))
+            every = (r for i in order for r in self.pack(self.shards[i]))
             mine = (r for j, r in enumerate(every) if j % readers == reader)
         if not self.buffer:
             yield from mine
@@ -113,9 +115,9 @@ class PackedTextStream(IterableDataset):
         rng.shuffle(buf)
         yield from buf
 
-    def pack(self, url: str) -> Iterator[list[int]]:
+    def pack(self, shard: ShardRef) -> Iterator[list[int]]:
         """The packed rows of one shard."""
-        return self.pack_texts(self.texts(url))
+        return self.pack_texts(self.texts(shard))
 
     def pack_texts(self, texts: Iterable[str]) -> Iterator[list[int]]:
         """Documents + EOS, concatenated, cut into rows of `length` tokens; the last partial row is dropped."""
@@ -128,13 +130,12 @@ class PackedTextStream(IterableDataset):
                 yield buf[:self.length]
                 del buf[:self.length]
 
-    def texts(self, url: str) -> Iterator[str]:
-        from trainer.data import iter_records
-
-        for rec in iter_records([url]):
+    def texts(self, shard: ShardRef) -> Iterator[str]:
+        """The documents of one shard, verified whole against its manifest before the first is given."""
+        for rec in iter_shards([shard]):
             text = rec.get("text")
             if not isinstance(text, str):
-                raise DataError(f"{self.where}, shard {url}", f"record {rec.get('id', '?')} has no text (fields: "
+                raise DataError(f"{self.where}, shard {shard.url}", f"record {rec.get('id', '?')} has no text (fields: "
                                 f"{', '.join(sorted(rec))})", "feed the pretrain stage text shards")
             yield text
 
@@ -150,15 +151,15 @@ def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def packed_rows(urls: list[str], tokenizer, max_length_tokens: int, *, where: str,
+def packed_rows(shards: list[ShardRef], tokenizer, max_length_tokens: int, *, where: str,
                 max_records: int | None = None) -> list[list[int]]:
     """Every packed row of a split, in shard order, in memory (validation, and training without streaming):
     the rows one pass of the stream gives, from the first `max_records` records of the split when set."""
-    one = PackedTextStream(urls, tokenizer, max_length_tokens, where=where, endless=False, rank=0, world_size=1)
+    one = PackedTextStream(shards, tokenizer, max_length_tokens, where=where, endless=False, rank=0, world_size=1)
     out: list[list[int]] = []
     left = max_records
-    for url in urls:
-        texts: Iterable[str] = one.texts(url)
+    for shard in shards:
+        texts: Iterable[str] = one.texts(shard)
         if left is not None:
             texts = list(itertools.islice(texts, left))
             left -= len(texts)
