@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -281,12 +282,21 @@ def _artifact_model(art: Artifact, where: str) -> tuple[Path, bool]:
 
 
 def _local_folder(art: Artifact, prefix: str) -> Path:
+    """The model folder `prefix` of an artifact, every file checked against the manifest before it is loaded: in
+    place on a local store; on object storage a cached download, checked again (and fetched anew if it differs)."""
     if art.store.local:
+        art.verify_local(Path(art.path) / prefix, prefix)
         return Path(art.path) / prefix
     base = Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / "lmforge-models"
     dest = base / f"{art.kind}-{art.id}"
     if dest.exists():
-        return dest
+        try:
+            art.verify_local(dest, prefix)
+            return dest
+        except ArtifactError as e:
+            log.warning("the cached copy %s no longer matches %s (%s); downloading it again", dest, art.uri,
+                        str(e).split(". ", 1)[0])
+            shutil.rmtree(dest, ignore_errors=True)
     tmp = base / f".{art.kind}-{art.id}-{uuid.uuid4().hex[:8]}"
     for rel in art.files:
         if rel.startswith(prefix):
@@ -426,6 +436,7 @@ def _gguf_folder(gguf: Path) -> Path | None:
 
 
 def _records(art: Artifact, split: str) -> Any:
+    """The records of a shards or records artifact; each shard or part is checked against the manifest first."""
     port = art.manifest.get("output", {}).get("type")
     return iter_samples(art, split) if port == "shards" else iter_records(art)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from lmforge.errors import ArtifactError
 from lmforge.shards import ShardRef
 from lmforge.store import Artifact, ArtifactStore
 
@@ -70,28 +71,42 @@ class JobSpec(BaseModel):
         return cls.model_validate_json(path.read_text())
 
 
-def materialize(ref: ArtifactRef, work_dir: Path, verify: bool = True) -> Path:
-    """A local folder with the artifact's files, each checked against the manifest (size and sha256).
+CONFIG_BYTES = 1 << 20  # what a config-only check (`verify=False`) reads and checks: config and tokenizer files
 
-    A local store is read in place (`verify=False` skips reading every file, for config-only checks);
-    an object store is downloaded once into `work_dir/inputs/`, verified while it streams.
+
+def materialize(ref: ArtifactRef, work_dir: Path, verify: bool = True) -> Path:
+    """A local folder with the artifact's files, each checked against the manifest (size and sha256) before
+    the folder is returned, so nothing loads bytes the manifest does not vouch for.
+
+    A local store is read in place and every file hashed there. An object store is downloaded into
+    `work_dir/inputs/`, hashed as it streams; a copy downloaded before (`.complete`) is hashed again against
+    the manifest (the copy may have changed, or the artifact been replaced) and downloaded anew if it differs.
+    `verify=False` is for the parent's config-only checks: only the files up to CONFIG_BYTES (configs,
+    tokenizer files) are checked, or downloaded; the training process checks everything before it loads.
     """
     art = ref.open()
+    limit = None if verify else CONFIG_BYTES
     if art.store.local:
-        if verify:
-            art.verify()
+        art.verify_local(Path(art.path), max_bytes=limit)
         return Path(art.path)
     dest = work_dir / "inputs" / f"{ref.kind}-{ref.id}"
     if (dest / ".complete").exists():
-        return dest
+        try:
+            art.verify_local(dest, max_bytes=limit)
+            return dest
+        except ArtifactError as e:
+            log.warning("the downloaded copy of %s in %s no longer matches its manifest (%s); downloading it again",
+                        art.uri, dest, str(e).split(". ", 1)[0])
     shutil.rmtree(dest, ignore_errors=True)
-    for rel in art.files:
+    wanted = [rel for rel, e in art.files.items() if limit is None or e["bytes"] <= limit]
+    for rel in wanted:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        with art.open(rel) as src, open(target, "wb") as f:  # the reader verifies at EOF
+        with art.open(rel) as src, open(target, "wb") as f:  # hashed as it streams; a mismatch raises at EOF
             shutil.copyfileobj(src, f, 1 << 20)
-    (dest / ".complete").touch()
-    log.info("downloaded %s (%d files) to %s", art.uri, len(art.files), dest)
+    if verify:
+        (dest / ".complete").touch()  # every file is here and matched
+    log.info("downloaded %s (%d of %d files) to %s, verified", art.uri, len(wanted), len(art.files), dest)
     return dest
 
 
