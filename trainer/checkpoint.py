@@ -17,6 +17,7 @@ restores model, optimizer, scheduler, RNG and the position in the data.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -126,33 +127,76 @@ def prune(uri: str, keep: int) -> list[int]:
     return sorted(s for s, _ in doomed)
 
 
+def _verified_listing(fs, src: str, where: str) -> list[dict[str, Any]]:
+    """DONE's file list, each entry with path, bytes and sha256; an error naming the checkpoint when it has none."""
+    from lmforge.errors import ArtifactError
+
+    fix = (f"delete {where} to resume from the complete checkpoint before it (or from step 0 when there is none), "
+           "or rerun the stage with --force to start over")
+    try:
+        marker = json.loads(fs.cat_file(f"{src}/{DONE}"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{where}/{DONE}: not valid JSON ({e}); {fix}") from None
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not files or not all(isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("bytes"), int)
+                            and isinstance(f.get("sha256"), str) for f in files):
+        raise ArtifactError(f"{where}: its {DONE} marker lists no files with sizes and sha256, so the checkpoint "
+                            f"cannot be verified before resuming from it; {fix}")
+    return files
+
+
+def _copy_hashing(fs, src: str, target: Path) -> tuple[int, str]:
+    """Copy one file out of the store; (bytes, sha256) of what was copied, hashed on the way (one read)."""
+    h, n = hashlib.sha256(), 0
+    with fs.open(src, "rb") as r, open(target, "wb") as w:
+        while b := r.read(1 << 20):
+            h.update(b)
+            n += len(b)
+            w.write(b)
+    return n, h.hexdigest()
+
+
 def download(uri: str, step: int, dest: Path) -> Path:
-    """Fetch `checkpoint-<step>` into `dest/checkpoint-<step>`, checking every file against DONE."""
+    """Fetch `checkpoint-<step>` into `dest/checkpoint-<step>`, every file hashed as it streams and checked against
+    the size and sha256 that DONE lists, before the training resumes from any of it.
+
+    A checkpoint that does not match (or whose DONE lists no digests) is an error naming it, not a silent fall
+    back to an older one: the store was changed or damaged, which the user should know, and falling back may
+    throw away days of training without a word. The error says how to resume from the one before."""
     from lmforge.errors import ArtifactError
 
     fs, root = filesystem(uri)
-    src = f"{root}/{PREFIX}{step}"
-    marker = json.loads(fs.cat_file(f"{src}/{DONE}"))
+    src, where = f"{root}/{PREFIX}{step}", f"{uri}/{PREFIX}{step}"
+    files = _verified_listing(fs, src, where)
     local = dest / f"{PREFIX}{step}"
     shutil.rmtree(local, ignore_errors=True)
-    for f in marker["files"]:
+    for f in files:
         target = local / f["path"]
         target.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(f"{src}/{f['path']}", str(target))
-        if target.stat().st_size != f["bytes"] or sha256_file(target) != f["sha256"]:
-            raise ArtifactError(f"{uri}/{PREFIX}{step}/{f['path']}: does not match its DONE listing; delete "
-                                f"{uri}/{PREFIX}{step} to resume from the checkpoint before it")
+        try:
+            got = _copy_hashing(fs, f"{src}/{f['path']}", target)
+        except FileNotFoundError:
+            got = None
+        if got != (f["bytes"], f["sha256"]):
+            shutil.rmtree(local, ignore_errors=True)
+            seen = "the file is missing" if got is None else f"read {got[0]} bytes, sha256 {got[1][:12]}…"
+            raise ArtifactError(f"{where}/{f['path']}: does not match its DONE listing ({seen}; DONE lists "
+                                f"{f['bytes']} bytes, sha256 {f['sha256'][:12]}…). The checkpoint was modified or "
+                                f"damaged after its upload; delete {where} to resume from the complete checkpoint "
+                                "before it (or from step 0 when there is none), or rerun the stage with --force to "
+                                "start over")
     return local
 
 
 def restore_latest(uri: str, dest: Path) -> tuple[Path, int] | None:
-    """Download the newest complete checkpoint, or None when there is none."""
+    """Download the newest complete checkpoint, verified against its DONE listing, or None when there is none."""
     found = latest_complete(uri)
     if found is None:
         return None
     step, _ = found
     local = download(uri, step, dest)
-    log.info("resuming from checkpoint %d (%s/%s%d)", step, uri, PREFIX, step)
+    log.info("resuming from checkpoint %d (%s/%s%d), every file verified against its DONE listing", step, uri,
+             PREFIX, step)
     return local, step
 
 
