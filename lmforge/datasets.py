@@ -12,7 +12,7 @@ from typing import Any
 
 from lmforge.config import DatasetConfig, PipelineConfig
 from lmforge.errors import DataError
-from lmforge.store import canonical_json, filesystem
+from lmforge.store import canonical_json, filesystem, fingerprint
 
 FORMATS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz",
            ".parquet": "parquet", ".txt": "txt"}
@@ -61,7 +61,10 @@ def detect_format(uri: str, declared: str, where: str) -> str:
 
 
 def resolve_dataset(pipeline: PipelineConfig, name: str) -> DatasetInput:
-    """Expand paths/globs/folders, hash every file. Raises DataError naming the missing path."""
+    """Expand paths/globs/folders, hash every file. Raises DataError naming the missing path.
+
+    A file is hashed once per process while it is unchanged (`lmforge.store.fingerprint`: local files by path,
+    size and mtime, objects by ETag), so planning twice in one run (the CLI, then the flow) reads it once."""
     cfg = pipeline.datasets[name]
     where = f"datasets.{name}.path"
     files: list[SourceFile] = []
@@ -84,11 +87,6 @@ def resolve_dataset(pipeline: PipelineConfig, name: str) -> DatasetInput:
         for m in matches:
             uri = protocol + m if protocol else m
             fmt = detect_format(uri, cfg.format, where)
-            h = hashlib.sha256()
-            size = 0
-            with fs.open(m, "rb") as f:
-                while b := f.read(1 << 20):
-                    h.update(b)
-                    size += len(b)
-            files.append(SourceFile(uri=uri, format=fmt, sha256=h.hexdigest(), bytes=size))
+            sha256, size = fingerprint(fs, m)
+            files.append(SourceFile(uri=uri, format=fmt, sha256=sha256, bytes=size))
     return DatasetInput(name=name, config=cfg, files=tuple(files))

@@ -2,6 +2,10 @@
 
 Every problem names the file and line (or parquet row). With `on_bad_record: skip` bad rows are
 counted by reason and skipped, up to `max_bad_fraction`; the default fails on the first one.
+
+Each file must still hold the bytes the plan hashed (its sha256 is in the artifact's id and in every
+record id): they are hashed again as they are read, in the same pass, and a file that changed since the
+plan fails the stage, naming the file, before anything is published.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from lmforge.errors import DataError
 from lmforge.log import Progress
 from lmforge.records import RecordWriter, SchemaError, normalize
 from lmforge.stage import Port, Result, StageDef, expect_inputs
-from lmforge.store import filesystem
+from lmforge.store import VerifyingReader, filesystem, read_verified
 
 log = logging.getLogger(__name__)
 MAX_EXAMPLES = 20
@@ -52,16 +56,30 @@ class BadRow(Exception):
         super().__init__(f"{where}: {problem}")
 
 
+def changed_since_plan(src: SourceFile):
+    """The error for a raw file whose bytes are no longer those the plan hashed: `(bytes, sha256)` as read now."""
+    def error(n: int, sha256: str) -> DataError:
+        return DataError(src.uri, f"changed since the plan hashed it (now {n} bytes, sha256 {sha256[:12]}…; the "
+                         f"plan, and so this stage's artifact id, used {src.bytes} bytes, {src.sha256[:12]}…)",
+                         "run the command again: a new plan hashes the file as it is now; do not change raw files "
+                         "while a pipeline that reads them runs")
+    return error
+
+
 def _rows(src: SourceFile, txt_unit: str) -> Iterator[tuple[int, Any]]:
-    """(line or row number, parsed row or BadRow) for one file."""
+    """(line or row number, parsed row or BadRow) for one file, whose bytes are checked against the plan's sha256:
+    hashed as they are read (the check is at the end, before the stage publishes), parquet's before it is parsed."""
     fs, path = filesystem(src.uri)
-    with fs.open(path, "rb") as raw:
-        if src.format == "parquet":
-            yield from _parquet_rows(src, raw)
+    with fs.open(path, "rb") as stream:
+        if src.format == "parquet":  # random access: checked in a copy first
+            with read_verified(stream, src.bytes, src.sha256, changed_since_plan(src)) as copy:
+                yield from _parquet_rows(src, copy)
             return
+        raw = VerifyingReader(stream, src.bytes, src.sha256, changed_since_plan(src))
         f = gzip.GzipFile(fileobj=raw) if src.format == "jsonl.gz" else io.BufferedReader(raw, 1 << 20)
         if src.format == "txt" and txt_unit == "file":
             data = f.read()
+            raw.finish()
             try:
                 yield 1, {"text": data.decode("utf-8")}
             except UnicodeDecodeError as e:
@@ -86,7 +104,9 @@ def _rows(src: SourceFile, txt_unit: str) -> Iterator[tuple[int, Any]]:
                 except json.JSONDecodeError as e:
                     yield n, BadRow("invalid_json", f"{src.uri}:{n}", f"invalid JSON: {e.msg} at column {e.colno}")
         except (OSError, EOFError) as e:  # truncated or corrupt gzip
+            raw.finish()  # a file that changed since the plan says so first
             raise DataError(src.uri, f"cannot read {src.format} file: {e}", "re-create or re-download the file") from None
+        raw.finish()
 
 
 def _parquet_rows(src: SourceFile, raw) -> Iterator[tuple[int, Any]]:
