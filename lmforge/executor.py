@@ -120,6 +120,9 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
             tr.log_params(run_id, sp.settings)
         log.info("stage %s: running %s (%s)", name, sp.uri, sp.reason)
         inputs = _load_inputs(ctx, sp)
+        if sp.forced and "history_stamp" not in sp.extra:  # once per run: a Prefect retry resumes this attempt's work
+            sp.extra["history_stamp"] = store.history_stamp()
+            store.retire_checkpoints(sp.kind, sp.artifact_id, sp.extra["history_stamp"])
         started, t0 = _now(), time.monotonic()
         with store.staging(sp.kind, sp.artifact_id) as out:
             failure: FailedAfterPublish | None = None
@@ -155,7 +158,8 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
             }
             if failure is not None:
                 manifest["failure"] = str(failure)
-            artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced)
+            artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced,
+                                     history_stamp=sp.extra.get("history_stamp"))
         store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
         if tr:
             tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
