@@ -156,6 +156,10 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                 "environment": provenance.environment(),
                 "timings": {"started_at": started, "finished_at": _now(), "seconds": round(seconds, 3)},
             }
+            det = manifest["result"]
+            manifest["deterministic"] = det.get("deterministic", True)  # data stages are seeded and single-ordered
+            if det.get("nondeterminism"):
+                manifest["nondeterminism"] = det["nondeterminism"]
             if failure is not None:
                 manifest["failure"] = str(failure)
             artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced,

@@ -40,7 +40,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer import checkpoint, distributed
+from trainer import checkpoint, determinism, distributed
 from trainer.errors import Preempted, SettingError, TrainingError
 from trainer.job import JobSpec
 
@@ -137,7 +137,8 @@ def run(spec: JobSpec, *, root: Path | None = None, launcher: str | None = None,
     rdzv_id = "lmforge-" + hashlib.sha256(spec.checkpoint_uri.encode()).hexdigest()[:16]  # the same on every node
     cmd = command(settings.get("launcher", "local"), int(settings.get("nproc_per_node", 1)), spec_path,
                   nnodes=int(settings.get("nnodes", 1)), rdzv_endpoint=settings.get("rdzv_endpoint"), rdzv_id=rdzv_id)
-    env = child_env(distributed.child_env(cuda=capability is not None))
+    # the training processes size their own thread pools: what the shell exported must not change the result
+    env = child_env({**distributed.child_env(cuda=capability is not None), **determinism.thread_env(settings)})
     if not TRAINING_SLOTS.acquire(blocking=False):
         log.info("stage %s: waiting for a training slot (another stage is training; LMFORGE_MAX_PARALLEL_TRAINING "
                  "sets how many train at once)", spec.stage)
