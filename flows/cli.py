@@ -64,6 +64,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     except StageFailed as e:
         print(f"lmforge run: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:
+        if "ephemeral Prefect API server" not in str(e):
+            raise
+        from flows.pipeline import EPHEMERAL_STARTUP_SECONDS
+
+        print(f"lmforge run: Prefect's temporary API server did not answer within {EPHEMERAL_STARTUP_SECONDS} s "
+              "(a busy machine starts it slowly). Raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start a "
+              "persistent server (`prefect server start --host 127.0.0.1`) and set PREFECT_API_URL="
+              "http://127.0.0.1:4200/api.", file=sys.stderr)
+        return 1
     print(f"pipeline {summary['pipeline']}: {summary['ran']} stage(s) ran, {summary['cached']} cached "
           f"(MLflow run {summary['mlflow_run_id']}, Prefect flow run {summary['flow_run_id']})")
     for s in summary["stages"].values():
