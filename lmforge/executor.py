@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lmforge import provenance
+from lmforge import interrupt, provenance
 from lmforge.datasets import DatasetInput
 from lmforge.errors import FailedAfterPublish
 from lmforge.plan import Plan, StagePlan
@@ -113,6 +113,7 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
         return {"stage": name, "status": "cached", "artifact_id": sp.artifact_id, "uri": sp.uri,
                 "seconds": 0.0, "mlflow_run_id": run_id}
 
+    interrupt.check(f"stage {name}")  # asked to stop: a stage that has not started does not start
     sdef = ctx.kinds[sp.kind]
     run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "false"}, ctx.parent_run_id) if tr else None
     try:
