@@ -1,6 +1,7 @@
 """`lmforge` command line: validate, plan, run, artifacts ls/show.
 
-Exit codes: 0 success, 1 a stage failed, 2 bad config, bad input or bad usage.
+Exit codes: 0 success, 1 a stage failed, 2 bad config, bad input or bad usage, 3 interrupted (SIGTERM/SIGINT:
+training checkpointed; rerun the same command to resume).
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from typing import Any
 
 from lmforge.config import load_config
 from lmforge.errors import ConfigError, LmforgeError, StageFailed
+from lmforge.interrupt import Interrupted
 from lmforge.log import setup_logging
 from lmforge.store import Artifact, ArtifactStore
 
 log = logging.getLogger("flows.cli")
+EXIT_INTERRUPTED = 3
 
 
 def _kinds():
@@ -68,6 +71,19 @@ def cmd_run(args: argparse.Namespace) -> int:
                            accept_code_change=args.accept_code_change)
     except StageFailed as e:
         print(f"lmforge run: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(f"lmforge run: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except RuntimeError as e:
+        if "ephemeral Prefect API server" not in str(e):
+            raise
+        from flows.pipeline import EPHEMERAL_STARTUP_SECONDS
+
+        print(f"lmforge run: Prefect's temporary API server did not answer within {EPHEMERAL_STARTUP_SECONDS} s "
+              "(a busy machine starts it slowly). Raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start a "
+              "persistent server (`prefect server start --host 127.0.0.1`) and set PREFECT_API_URL="
+              "http://127.0.0.1:4200/api.", file=sys.stderr)
         return 1
     print(f"pipeline {summary['pipeline']}: {summary['ran']} stage(s) ran, {summary['cached']} cached "
           f"(MLflow run {summary['mlflow_run_id']}, Prefect flow run {summary['flow_run_id']})")

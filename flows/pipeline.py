@@ -9,19 +9,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 from typing import Any
 
 # stage logs show in the terminal and in the Prefect UI under their task run; stages also run
 # outside flows (tests, scripts), where there is no flow run to send logs to: that is fine
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lmforge,tasks,trainer,flows")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+# Prefect's ephemeral API server gets 20 s to start by default; on a loaded 2-core machine it often needs more
+# (that timeout failed 5 of ~20 runs at load 5-9). Its loop counts only its own sleeps, so this is a lower bound.
+EPHEMERAL_STARTUP_SECONDS = os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 import yaml  # noqa: E402
 from prefect import flow, runtime, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
-from lmforge import provenance  # noqa: E402
+from lmforge import interrupt, provenance  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
 from lmforge.errors import LmforgeError, StageFailed  # noqa: E402
 from lmforge.executor import RunContext, execute_stage  # noqa: E402
@@ -36,9 +41,44 @@ MAX_PARALLEL_STAGES = int(os.environ.get("LMFORGE_MAX_PARALLEL_STAGES", "4"))
 
 
 def _retry_condition(task, task_run, state) -> bool:
-    """Retry transient failures; bad input or config fails at once (retrying cannot fix it)."""
+    """Retry transient failures; bad input or config fails at once (retrying cannot fix it), and nothing is
+    retried once the run was asked to stop."""
+    if interrupt.requested():
+        return False
     exc = state.result(raise_on_failure=False)
     return not (isinstance(exc, LmforgeError) and not exc.retryable)
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM or SIGINT to this process (preemption notice, eviction, Ctrl-C, a Prefect cancellation) while the
+    stages run: every training process checkpoints at the end of its step and stops, stages that have not started
+    do not start, nothing is retried; the flow then ends with `Interrupted`. A second signal ends the training
+    process trees at once. Python runs handlers in the main thread only: outside it (a flow run in a worker
+    thread) this does nothing and the caller's handling stays."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):  # noqa: ARG001
+        from trainer import launch
+
+        if interrupt.requested():
+            log.warning("%s again: ending the training processes now", signal.Signals(signum).name)
+            launch.kill_all()
+            return
+        interrupt.request(signum)
+        pids = launch.stop_all()
+        log.warning("%s: stopping. Training process(es) %s checkpoint at the end of their step and stop; no new "
+                    "stage starts. Rerun the same command to resume.", signal.Signals(signum).name,
+                    ", ".join(map(str, pids)) or "(none running)")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
 
 
 def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, str]]:
@@ -92,46 +132,57 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
         "lmforge.forced": ",".join(force or []),
         "lmforge.accept_code_change": ",".join(accept_code_change or []),
     })
-    tracker.log_params(parent, {n: sp.settings for n, sp in plan.stages.items()})
-    tracker.log_text(parent, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")
-    ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker, parent_run_id=parent, flow_run=flow_run)
+    try:
+        tracker.log_params(parent, {n: sp.settings for n, sp in plan.stages.items()})
+        tracker.log_text(parent, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")
+        ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker, parent_run_id=parent, flow_run=flow_run)
 
-    with contextlib.ExitStack() as stack:
-        if cfg.dask_address:  # every stage becomes a task on the Dask cluster
-            from prefect_dask import DaskTaskRunner
+        interrupt.reset()  # a new run in this process
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_stop_on_signals())
+            if cfg.dask_address:  # every stage becomes a task on the Dask cluster
+                from prefect_dask import DaskTaskRunner
 
-            runner = stack.enter_context(DaskTaskRunner(address=cfg.dask_address))
-            log.info("running stages on the Dask cluster at %s", cfg.dask_address)
-        else:
-            runner = None
-        futures = {}
-        for name in plan.stages:
-            sc = cfg.stages[name]
-            t = stage_task.with_options(name=name, task_run_name=name, retries=sc.retries,
-                                        retry_delay_seconds=sc.retry_delay_seconds,
-                                        timeout_seconds=sc.timeout_seconds, retry_condition_fn=_retry_condition)
-            wait_for = [futures[i] for i in sc.inputs if i in futures]
-            futures[name] = runner.submit(t, {"ctx": ctx, "name": name}, wait_for=wait_for) if runner else \
-                t.submit(ctx, name, wait_for=wait_for)
-        stages, failures = _collect(futures, cfg)
+                runner = stack.enter_context(DaskTaskRunner(address=cfg.dask_address))
+                log.info("running stages on the Dask cluster at %s", cfg.dask_address)
+            else:
+                runner = None
+            futures = {}
+            for name in plan.stages:
+                sc = cfg.stages[name]
+                t = stage_task.with_options(name=name, task_run_name=name, retries=sc.retries,
+                                            retry_delay_seconds=sc.retry_delay_seconds,
+                                            timeout_seconds=sc.timeout_seconds, retry_condition_fn=_retry_condition)
+                wait_for = [futures[i] for i in sc.inputs if i in futures]
+                futures[name] = runner.submit(t, {"ctx": ctx, "name": name}, wait_for=wait_for) if runner else \
+                    t.submit(ctx, name, wait_for=wait_for)
+            stages, failures = _collect(futures, cfg)
 
-    summary = {
-        "pipeline": cfg.name,
-        "flow_run_id": flow_run["id"],
-        "mlflow_run_id": parent,
-        "ran": sum(1 for s in stages.values() if s["status"] == "ran"),
-        "cached": sum(1 for s in stages.values() if s["status"] == "cached"),
-        "failed": len(failures),
-        "stages": stages,
-    }
-    metrics = {"stages_ran": summary["ran"], "stages_cached": summary["cached"], "stages_failed": summary["failed"]}
-    for name, s in stages.items():
-        art = plan.store.get(plan.stages[name].kind, plan.stages[name].artifact_id)
-        if art is not None and (s["status"] != "failed" or art.manifest.get("failure")):  # incl. failed gates
-            metrics.update({f"{name}/{k}": v for k, v in numeric_leaves(art.result).items()})
-    tracker.log_metrics(parent, metrics)
-    tracker.end_run(parent, "FAILED" if failures else "FINISHED")
-    if failures:
-        raise StageFailed(failures, flow_run['id'] or None)
+        summary = {
+            "pipeline": cfg.name,
+            "flow_run_id": flow_run["id"],
+            "mlflow_run_id": parent,
+            "ran": sum(1 for s in stages.values() if s["status"] == "ran"),
+            "cached": sum(1 for s in stages.values() if s["status"] == "cached"),
+            "failed": len(failures),
+            "stages": stages,
+        }
+        metrics = {"stages_ran": summary["ran"], "stages_cached": summary["cached"], "stages_failed": summary["failed"]}
+        for name, s in stages.items():
+            art = plan.store.get(plan.stages[name].kind, plan.stages[name].artifact_id)
+            if art is not None and (s["status"] != "failed" or art.manifest.get("failure")):  # incl. failed gates
+                metrics.update({f"{name}/{k}": v for k, v in numeric_leaves(art.result).items()})
+        tracker.log_metrics(parent, metrics)
+        tracker.end_run(parent, "KILLED" if interrupt.requested() else "FAILED" if failures else "FINISHED")
+        if interrupt.requested():
+            stopped = ", ".join(n for n, s in stages.items() if s["status"] == "failed") or "none"
+            raise interrupt.Interrupted(f"pipeline {cfg.name}: stopped by {interrupt.signal_name()}; stages not finished: "
+                                        f"{stopped}. Finished stages and uploaded checkpoints are kept: rerun the same "
+                                        "command to resume.")
+        if failures:
+            raise StageFailed(failures, flow_run['id'] or None)
+    except BaseException:  # never leave the parent RUNNING, whatever ended the run
+        tracker.end_run(parent, "KILLED" if interrupt.requested() else "FAILED")
+        raise
     log.info("pipeline %s: %d stage(s) ran, %d cached", cfg.name, summary["ran"], summary["cached"])
     return summary

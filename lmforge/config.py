@@ -246,6 +246,10 @@ def parse_config(
     else:
         for name, body in raw_stages.items():
             where = f"stages.{name}"
+            if not isinstance(name, str) or not re.match(NAME_RE, name):  # names become paths and MLflow run names
+                problems.append(f"stages: stage name {name!r} must match {NAME_RE} (letters, digits, _ . -; no "
+                                "slashes), e.g. sft_lora")
+                continue
             if not isinstance(body, dict):
                 problems.append(f"{where}: expected a mapping with kind, inputs and settings, got {body!r}")
                 continue

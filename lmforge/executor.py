@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lmforge import provenance
+from lmforge import interrupt, provenance
 from lmforge.datasets import DatasetInput
 from lmforge.errors import ArtifactError, FailedAfterPublish
 from lmforge.plan import Plan, StagePlan
@@ -138,6 +138,7 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
     if sp.accepted:  # running here would write new code's output under the old code's id
         raise ArtifactError(f"stage {name}: the artifact accepted across a code change, {sp.uri}, is gone; rerun "
                             f"without --accept-code-change {name} to make {sp.kind}/{sp.accepted['new_artifact_id']}")
+    interrupt.check(f"stage {name}")  # asked to stop: a stage that has not started does not start
     sdef = ctx.kinds[sp.kind]
     run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "false"}, ctx.parent_run_id) if tr else None
     try:
@@ -145,6 +146,9 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
             tr.log_params(run_id, sp.settings)
         log.info("stage %s: running %s (%s)", name, sp.uri, sp.reason)
         inputs = _load_inputs(ctx, sp)
+        if sp.forced and "history_stamp" not in sp.extra:  # once per run: a Prefect retry resumes this attempt's work
+            sp.extra["history_stamp"] = store.history_stamp()
+            store.retire_checkpoints(sp.kind, sp.artifact_id, sp.extra["history_stamp"])
         started, t0 = _now(), time.monotonic()
         with store.staging(sp.kind, sp.artifact_id) as out:
             failure: FailedAfterPublish | None = None
@@ -179,9 +183,14 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                 "environment": provenance.environment(),
                 "timings": {"started_at": started, "finished_at": _now(), "seconds": round(seconds, 3)},
             }
+            det = manifest["result"]
+            manifest["deterministic"] = det.get("deterministic", True)  # data stages are seeded and single-ordered
+            if det.get("nondeterminism"):
+                manifest["nondeterminism"] = det["nondeterminism"]
             if failure is not None:
                 manifest["failure"] = str(failure)
-            artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced)
+            artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced,
+                                     history_stamp=sp.extra.get("history_stamp"))
         store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
         if tr:
             tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})

@@ -44,6 +44,15 @@ class Result(BaseModel):
         return numeric_leaves(self.model_dump(mode="json"))
 
 
+class TrainedResult(Result):
+    """What every training stage reports beside its own figures: how reproducible the run was
+    (`trainer.determinism`). Goes into the manifest with the rest of the result."""
+
+    deterministic: bool  # deterministic algorithms on, and no op without a deterministic version ran
+    nondeterminism: list[str]  # why not, when not: the setting, or each op torch warned about
+    cpu_threads: int  # math threads per training process (the sums' order on CPU)
+
+
 def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """{"a": {"b": 2}, "c": "x"} -> {"a/b": 2.0}: the numbers in a nested summary, as metric names."""
     out: dict[str, float] = {}

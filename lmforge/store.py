@@ -382,11 +382,47 @@ class ArtifactStore:
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
-    def publish(self, kind: str, aid: str, staged: Path, manifest: dict[str, Any], replace: bool = False) -> Artifact:
+    def history_stamp(self) -> str:
+        """A fresh `_history/<stamp>` name: UTC time to the second, plus a short random tail (two forced runs in
+        one second never share a folder)."""
+        return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+    def retire_checkpoints(self, kind: str, aid: str, stamp: str) -> str | None:
+        """Move the artifact's `_checkpoints/` to `_history/<stamp>/_checkpoints/` (a forced stage starts over at
+        step 0; the old checkpoints stay readable there). Returns the new path, or None when there were none."""
+        src = self.checkpoint_path(kind, aid)
+        if not self.fs.exists(src):
+            return None
+        dest = f"{self.artifact_path(kind, aid)}/{HISTORY}/{stamp}/{CHECKPOINTS}"
+        self._move(src, dest)
+        log.info("%s: moved its checkpoints to %s/%s/ (forced: training starts at step 0)",
+                 self.artifact_uri(kind, aid), HISTORY, stamp)
+        return dest
+
+    def _move(self, src: str, dest: str) -> None:
+        """Move a file or folder within the store: a rename locally, copy-then-delete on object storage."""
+        self.fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+        if self.local:
+            os.replace(src, dest)
+        else:  # file by file: s3fs's recursive mv also copies the folder markers some servers list (SeaweedFS)
+            self.fs.invalidate_cache(src)
+            files = [f for f in self.fs.find(src) if f.rstrip("/") != src] or [src]
+            for f in files:
+                self.fs.copy(f, dest + f[len(src):])
+            self.fs.rm(files)  # only once every copy landed
+            with contextlib.suppress(FileNotFoundError):  # an emptied prefix some servers keep as a folder
+                self.fs.rm(src, recursive=True)
+            self.fs.invalidate_cache(src)
+            self.fs.invalidate_cache(dest)
+
+    def publish(self, kind: str, aid: str, staged: Path, manifest: dict[str, Any], replace: bool = False,
+                history_stamp: str | None = None) -> Artifact:
         """Move staged files into place and write the manifest last.
 
-        Until the manifest lands, the artifact does not exist for any reader. With `replace`
-        (a forced rerun) the old manifest is kept under `_history/` before any file changes.
+        Until the manifest lands, the artifact does not exist for any reader. With `replace` (a forced rerun)
+        the old artifact moves whole, manifest first and then its files, to `_history/<history_stamp>/` (where
+        the forced run already moved its checkpoints), so the old result stays readable until this moment and
+        nothing stored is lost.
         """
         files = []
         for p in sorted(staged.rglob("*")):
@@ -402,11 +438,15 @@ class ArtifactStore:
             if not replace:
                 log.warning("%s was published meanwhile by another run; keeping that one", self.artifact_uri(kind, aid))
                 return self.require(kind, aid)
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            self.fs.makedirs(f"{dest}/{HISTORY}", exist_ok=True)
-            self.fs.mv(mpath, f"{dest}/{HISTORY}/manifest-{stamp}-{uuid.uuid4().hex[:6]}.json")
+            old = f"{dest}/{HISTORY}/{history_stamp or self.history_stamp()}"
+            self._move(mpath, f"{old}/{MANIFEST}")  # first: from here on the old artifact is history, not current
+            for e in self.fs.ls(dest, detail=False):
+                if Path(e).name not in RESERVED:
+                    self._move(e, f"{old}/{Path(e).name}")
+            log.info("%s: the replaced artifact is kept in %s/", self.artifact_uri(kind, aid), old)
         self.fs.makedirs(dest, exist_ok=True)
-        # leftovers of a killed publish or the replaced artifact: everything but checkpoints/history
+        self.fs.invalidate_cache(dest)
+        # leftovers of a killed publish (files without a manifest): everything but checkpoints/history
         try:
             for e in self.fs.ls(dest, detail=False):
                 if Path(e).name not in RESERVED:

@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from lmforge.config import StageConfig
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
 from lmforge.store import Artifact
 from tasks.reward import check_inputs
 from tasks.sft import launch_training
@@ -39,7 +39,7 @@ class DpoStageConfig(StageConfig, DpoSettings):
         return self.model_dump(mode="json", include=set(DpoSettings.model_fields))
 
 
-class DpoResult(Result):
+class DpoResult(TrainedResult):
     method: str
     base_model: str
     format: str

@@ -26,7 +26,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from lmforge.config import StageConfig
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
 from lmforge.store import Artifact
 from tasks.sft import launch_training, model_source_identity
 from trainer.settings import GrpoSettings
@@ -54,7 +54,7 @@ class GrpoStageConfig(StageConfig, GrpoSettings):
         return self.model_dump(mode="json", include=set(GrpoSettings.model_fields))
 
 
-class GrpoResult(Result):
+class GrpoResult(TrainedResult):
     algorithm: str
     method: str
     base_model: str

@@ -29,7 +29,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from lmforge.config import StageConfig
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
 from lmforge.store import Artifact
 from tasks.sft import launch_training
 from trainer.settings import PpoSettings
@@ -46,7 +46,7 @@ class PpoStageConfig(StageConfig, PpoSettings):
         return self.model_dump(mode="json", include=set(PpoSettings.model_fields))
 
 
-class PpoResult(Result):
+class PpoResult(TrainedResult):
     method: str
     base_model: str
     reward_model: str

@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from lmforge.config import StageConfig
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
 from lmforge.store import Artifact
 from tasks.sft import launch_training, model_source_identity
 from trainer.settings import PretrainSettings
@@ -46,7 +46,7 @@ class PretrainConfig(StageConfig, PretrainSettings):
         return self.model_dump(mode="json", include=set(PretrainSettings.model_fields))
 
 
-class PretrainResult(Result):
+class PretrainResult(TrainedResult):
     base_model: str
     from_scratch: bool
     streaming: bool

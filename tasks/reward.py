@@ -23,7 +23,7 @@ from pydantic import Field
 
 from lmforge.config import StageConfig
 from lmforge.errors import ConfigError
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
 from lmforge.store import Artifact
 from tasks.sft import launch_training, model_source_identity
 from trainer.settings import RewardSettings
@@ -44,7 +44,7 @@ class RewardStageConfig(StageConfig, RewardSettings):
         return self.model_dump(mode="json", include=set(RewardSettings.model_fields))
 
 
-class RewardResult(Result):
+class RewardResult(TrainedResult):
     method: str
     base_model: str
     train_records: int

@@ -21,7 +21,7 @@ from pydantic import Field
 from lmforge.config import StageConfig
 from lmforge.errors import ConfigError
 from lmforge.shards import shard_refs
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
 from lmforge.store import Artifact, file_fingerprint, folder_fingerprint
 from trainer.settings import SftSettings
 
@@ -75,7 +75,7 @@ def _gguf_identity(package: str, file: str) -> dict[str, str]:
     return {"package": f"{package}=={version}", "file": "sha256:" + file_fingerprint(path)}
 
 
-class SftResult(Result):
+class SftResult(TrainedResult):
     method: str
     base_model: str
     format: str

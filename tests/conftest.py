@@ -21,6 +21,7 @@ os.environ.update({
     "HF_HOME": str(_TMP / "hf"),
     "PREFECT_HOME": str(_TMP / "prefect"),
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",  # a loaded 2-core CI machine starts it slowly
     "DO_NOT_TRACK": "1",
     "LMFORGE_WORK_DIR": str(_TMP / "work"),
 })

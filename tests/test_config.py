@@ -113,3 +113,12 @@ def test_demo_config_is_valid(kinds):
     cfg = load_config(REPO / "configs" / "demo.yaml", kinds)
     assert cfg.root == REPO and cfg.store_url == str(REPO / "artifacts")
     assert cfg.tracking_uri == f"sqlite:///{REPO / 'mlflow.db'}"
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", ".hidden", "sp ace"])
+def test_a_stage_name_that_is_not_a_plain_name_is_refused_by_validate(tmp_path, kinds, capsys, name):
+    raw = basic_config(tmp_path)
+    raw["stages"][name] = {"kind": "shard", "inputs": ["ingest"]}
+    assert main(["validate", str(write_config(tmp_path, raw))]) == 2
+    err = capsys.readouterr().err
+    assert f"stages: stage name {name!r} must match" in err and "no slashes" in err

@@ -65,20 +65,40 @@ def test_reading_a_modified_file_fails_verification(tmp_path):
         art.verify()
 
 
-def test_replace_keeps_old_manifest_and_checkpoints(tmp_path):
-    store = ArtifactStore(str(tmp_path / "store"))
-    store.publish("k", "abc", staged(tmp_path, {"a.txt": b"v1"}), {"result": {"v": 1}})
-    (tmp_path / "store/k/abc/_checkpoints").mkdir()
-    (tmp_path / "store/k/abc/_checkpoints/step-1").write_text("ckpt")
+def _replace_keeps_the_old_artifact_whole(store: ArtifactStore, tmp_path) -> None:
+    store.publish("k", "abc", staged(tmp_path, {"a.txt": b"v1", "sub/b.txt": b"b1"}), {"result": {"v": 1}})
+    base = store.artifact_path("k", "abc")
+    store.fs.makedirs(f"{base}/_checkpoints/checkpoint-1", exist_ok=True)
+    store.fs.pipe_file(f"{base}/_checkpoints/checkpoint-1/DONE", b"ckpt")
     (tmp_path / "staged").rename(tmp_path / "old")
     # without replace, an existing artifact is never overwritten
     kept = store.publish("k", "abc", staged(tmp_path, {"a.txt": b"v2"}), {"result": {"v": 2}})
-    assert kept.result == {"v": 1} and (tmp_path / "store/k/abc/a.txt").read_bytes() == b"v1"
-    new = store.publish("k", "abc", tmp_path / "staged", {"result": {"v": 2}}, replace=True)
-    assert new.result == {"v": 2} and (tmp_path / "store/k/abc/a.txt").read_bytes() == b"v2"
-    history = list((tmp_path / "store/k/abc/_history").iterdir())
-    assert len(history) == 1 and json.loads(history[0].read_text())["result"] == {"v": 1}
-    assert (tmp_path / "store/k/abc/_checkpoints/step-1").read_text() == "ckpt"
+    assert kept.result == {"v": 1} and store.fs.cat_file(f"{base}/a.txt") == b"v1"
+    # a forced run: its checkpoints move first (training starts at step 0), the old result stays readable
+    stamp = store.history_stamp()
+    store.retire_checkpoints("k", "abc", stamp)
+    store.fs.invalidate_cache()
+    assert not store.fs.exists(f"{base}/_checkpoints/checkpoint-1/DONE")
+    store.require("k", "abc").verify()
+    # then the publish moves the old manifest and files to the same history folder
+    new = store.publish("k", "abc", tmp_path / "staged", {"result": {"v": 2}}, replace=True, history_stamp=stamp)
+    store.fs.invalidate_cache()
+    assert new.result == {"v": 2} and store.fs.cat_file(f"{base}/a.txt") == b"v2"
+    assert sorted(new.files) == ["a.txt"] and not store.fs.exists(f"{base}/sub/b.txt")
+    old = f"{base}/_history/{stamp}"
+    assert json.loads(store.fs.cat_file(f"{old}/manifest.json"))["result"] == {"v": 1}
+    assert store.fs.cat_file(f"{old}/a.txt") == b"v1" and store.fs.cat_file(f"{old}/sub/b.txt") == b"b1"
+    assert store.fs.cat_file(f"{old}/_checkpoints/checkpoint-1/DONE") == b"ckpt"
+    assert [p.rsplit("/", 1)[-1] for p in store.fs.ls(f"{base}/_history", detail=False)] == [stamp]
+
+
+def test_replace_keeps_the_old_artifact_and_checkpoints_whole(tmp_path):
+    _replace_keeps_the_old_artifact_whole(ArtifactStore(str(tmp_path / "store")), tmp_path)
+
+
+@pytest.mark.s3
+def test_replace_keeps_the_old_artifact_and_checkpoints_whole_on_s3(s3, tmp_path):
+    _replace_keeps_the_old_artifact_whole(ArtifactStore("s3://lmforge-test/replace"), tmp_path)
 
 
 def test_ids_do_not_depend_on_paths_or_store(tmp_path, kinds):

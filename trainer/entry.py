@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from lmforge.tracking import RedactingFilter
-from trainer import checkpoint
+from trainer import checkpoint, determinism
 from trainer.errors import Preempted, SettingError
 from trainer.job import JobSpec, rank
 
@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint.install_sigterm_handler()
     try:
         spec = JobSpec.read(spec_path)
+        det = determinism.setup(spec.settings)  # threads, deterministic algorithms, seeds: before anything is built
         recipe = recipe_module(spec.method)
-        result = recipe.train(spec)
+        result = {**recipe.train(spec), **det.report()}
         if rank() == 0:
             _generations_check(spec)
             _write(work / "result.json", result)

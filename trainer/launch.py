@@ -17,9 +17,11 @@ same command scales to more GPUs. Before it starts, the newest complete checkpoi
 from the stage's checkpoint URI, so the child resumes from it. The child's output streams into this
 process's log line by line (logger `trainer.child`). It writes `result.json` (rank 0) or
 `error-<rank>.json`; a setting error comes back as `SettingError` naming the field, anything else as
-`TrainingError` with the exit status, the child's error and the tail of its log. A SIGTERM to the stage goes
-to every training process (not to torchrun or the DeepSpeed launcher, which would kill them before they
-checkpoint), so each rank saves and stops at the end of its step.
+`TrainingError` with the exit status, the child's error and the tail of its log. A stop request (SIGTERM/SIGINT
+to `lmforge run`, handled in its main thread: `lmforge.interrupt`) reaches every running training process through
+`stop_all` (not torchrun or the DeepSpeed launcher, which would kill the ranks before they checkpoint), so each rank
+saves and stops at the end of its step. Whatever ends the wait for a child (an exception, a stage timeout) ends the
+child's whole process tree first.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer import checkpoint, distributed
+from lmforge import interrupt
+from trainer import checkpoint, determinism, distributed
 from trainer.errors import Preempted, SettingError, TrainingError
 from trainer.job import JobSpec
 
@@ -138,7 +141,8 @@ def run(spec: JobSpec, *, root: Path | None = None, launcher: str | None = None,
     rdzv_id = "lmforge-" + hashlib.sha256(spec.checkpoint_uri.encode()).hexdigest()[:16]  # the same on every node
     cmd = command(settings.get("launcher", "local"), int(settings.get("nproc_per_node", 1)), spec_path,
                   nnodes=int(settings.get("nnodes", 1)), rdzv_endpoint=settings.get("rdzv_endpoint"), rdzv_id=rdzv_id)
-    env = child_env(distributed.child_env(cuda=capability is not None))
+    # the training processes size their own thread pools: what the shell exported must not change the result
+    env = child_env({**distributed.child_env(cuda=capability is not None), **determinism.thread_env(settings)})
     if not TRAINING_SLOTS.acquire(blocking=False):
         log.info("stage %s: waiting for a training slot (another stage is training; LMFORGE_MAX_PARALLEL_TRAINING "
                  "sets how many train at once)", spec.stage)
@@ -150,11 +154,16 @@ def run(spec: JobSpec, *, root: Path | None = None, launcher: str | None = None,
 
 
 def _run_child(spec: JobSpec, cmd: list[str], env: dict[str, str], work: Path) -> dict[str, Any]:
+    interrupt.check(f"stage {spec.stage}")  # a stop request came while this stage waited for its slot
     log.info("stage %s: training in a child process: %s", spec.stage, " ".join(cmd))
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, errors="replace")
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    with _forward_sigterm(proc):
+    try:
+        if interrupt.requested():  # the request came between the check and the start
+            stop_training(proc)
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")
@@ -163,7 +172,59 @@ def _run_child(spec: JobSpec, cmd: list[str], env: dict[str, str], work: Path) -
             tail.append(line)
             child_log.log(_level(line), "%s", line)
         rc = proc.wait()
+    finally:  # an exception or a stage timeout here must not leave a trainer running beside the retry
+        with _LIVE_LOCK:
+            _LIVE.discard(proc)
+        if proc.poll() is None:
+            end_process_tree(proc, f"stage {spec.stage}")
     return _outcome(spec, rc, work, list(tail))
+
+
+#: training processes this process started and that still run: a stop request reaches each of them
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def stop_all() -> list[int]:
+    """SIGTERM to every training process of every running stage (each checkpoints at the end of its step and
+    stops). Called from the main thread's signal handler; returns the pids asked."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    return [pid for proc in procs for pid in stop_training(proc)]
+
+
+def kill_all() -> None:
+    """SIGKILL every running training process tree at once (a second stop request): checkpoints already
+    uploaded are kept."""
+    import psutil
+
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+
+
+def end_process_tree(proc: subprocess.Popen, what: str, grace_seconds: float = 30.0) -> None:
+    """Stop `proc` and everything it started: SIGTERM to the training processes (they checkpoint and exit), then,
+    after `grace_seconds`, SIGKILL to whatever of the tree is left (launchers, ranks, DataLoader workers)."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    log.warning("%s: ending its training process tree (%s)", what, ", ".join(str(p.pid) for p in tree))
+    stop_training(proc)
+    _, alive = psutil.wait_procs(tree, timeout=grace_seconds)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=5)
 
 
 def _level(line: str) -> int:
@@ -203,25 +264,6 @@ def stop_training(proc) -> list[int]:
         with contextlib.suppress(Exception):  # already gone
             p.send_signal(signal.SIGTERM)
     return [p.pid for p in ranks]
-
-
-@contextlib.contextmanager
-def _forward_sigterm(proc: subprocess.Popen) -> Iterator[None]:
-    """A SIGTERM to this process (a cancelled stage) goes to every training process, which checkpoints and stops.
-    Not to torchrun or the DeepSpeed launcher: they would kill the ranks (after 30 s, or at once) mid-checkpoint."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def forward(signum, frame):  # noqa: ARG001
-        pids = stop_training(proc)
-        log.warning("SIGTERM: asked the training process(es) %s to checkpoint and stop", ", ".join(map(str, pids)))
-
-    previous = signal.signal(signal.SIGTERM, forward)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _outcome(spec: JobSpec, rc: int, work: Path, tail: list[str]) -> dict[str, Any]:

@@ -84,6 +84,15 @@ class TrainSettings(BaseModel):
                              "ppo builds its few prompts per update in process and ignores it.")
     prefetch_factor: int = Field(2, gt=0, description="Batches each DataLoader worker prepares ahead (num_workers > 0).")
     pin_memory: bool = Field(True, description="Page-locked batches for faster copies to the GPU; ignored on CPU.")
+    cpu_threads: int = Field(1, gt=0, description="Math threads of each training process (torch intra-op, OpenMP, "
+                             "MKL), set by the process itself whatever OMP_NUM_THREADS says. The same config, machine "
+                             "and thread count give byte-identical CPU weights; another thread count sums in another "
+                             "order (same result up to rounding, so it stays out of the id). 1 is fastest for tiny "
+                             "models on small machines; raise it for larger models trained on CPU.")
+    deterministic: bool = Field(True, description="Deterministic algorithms (torch.use_deterministic_algorithms, "
+                                "cuDNN deterministic, cuBLAS workspace). On CPU training is then bit-reproducible; "
+                                "on GPUs some kernels have no deterministic version: the result says "
+                                "deterministic: false and names them. false: faster GPU kernels, no such promise.")
     control_prompts: list[str] = Field(
         default_factory=lambda: list(DEFAULT_CONTROL_PROMPTS),
         description="After training, the model before and after answer these prompts (greedy) side by side: a "
@@ -94,7 +103,8 @@ class TrainSettings(BaseModel):
     #: model it produces; training stages keep them out of their artifact id
     RUN_ONLY: ClassVar[frozenset[str]] = frozenset({
         "checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints", "logging_steps", "launcher",
-        "rdzv_endpoint", "control_prompts", "control_max_new_tokens", "num_workers", "prefetch_factor", "pin_memory"})
+        "rdzv_endpoint", "control_prompts", "control_max_new_tokens", "num_workers", "prefetch_factor", "pin_memory",
+        "cpu_threads"})
 
     @field_validator("deepspeed", "fsdp", mode="before")
     @classmethod

@@ -1,0 +1,74 @@
+"""A stop request to `lmforge run` itself (SIGTERM: a preemption notice, an eviction; SIGINT: Ctrl-C) reaches the
+training process in Prefect's worker thread: it checkpoints and stops, the run exits 3 leaving no process behind
+(no trainer, no Prefect server), the MLflow parent run is KILLED, and the rerun resumes from the checkpoint.
+
+The signal goes to the CLI process, as a scheduler or a user sends it, never to the training child.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from lmforge.store import ArtifactStore
+from tests.conftest import REPO, write_jsonl
+from tests.test_trainer import chat_rows, pipeline, sft
+
+
+def _cli(cfg, log, *extra):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg), *extra], cwd=cfg.parent, env=env,
+                            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_lmforge_run_checkpoints_training_exits_3_leaves_nothing_and_the_rerun_resumes(tmp_path, sig):
+    write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(120))
+    stages = {"sft": sft(method="full", max_steps=400, checkpoint_every_steps=5, evaluate=False, retries=1)}
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(yaml.safe_dump(pipeline(tmp_path, stages), sort_keys=False))
+    log = tmp_path / "log.txt"
+    store = ArtifactStore(str(tmp_path / "artifacts"))
+
+    proc = _cli(cfg, log)
+    deadline = time.monotonic() + 240
+    done: list[str] = []
+    while time.monotonic() < deadline and not done and proc.poll() is None:
+        store.fs.invalidate_cache()
+        done = store.fs.glob(f"{store.root}/sft/*/_checkpoints/checkpoint-*/DONE")
+        time.sleep(0.05)
+    assert done, log.read_text()[-3000:]
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert any("trainer.entry" in " ".join(p.cmdline()) for p in family)  # a training child is running
+    os.kill(proc.pid, sig)  # the CLI itself
+    rc = proc.wait(timeout=180)
+    out = log.read_text()
+    assert rc == 3, out[-3000:]
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert alive == [], [(p.pid, p.cmdline()) for p in alive]  # no trainer, no Prefect server left behind
+    assert f"{signal.Signals(sig).name}: stopping. Training process(es)" in out
+    assert f"stopped by {signal.Signals(sig).name}" in out and "rerun the same command to resume" in out
+    assert out.count("training in a child process") == 1  # not retried (retries: 1 would start a second one)
+    sft_dir = store.fs.glob(f"{store.root}/sft/*")[0]
+    assert not store.fs.exists(f"{sft_dir}/manifest.json")  # not finished: nothing published
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    parent = [r for r in runs if "lmforge.pipeline" in r.data.tags]
+    assert [r.info.status for r in parent] == ["KILLED"]
+    assert all(r.info.status != "RUNNING" for r in runs)
+
+    rerun = _cli(cfg, log, "--json", str(tmp_path / "summary.json"))
+    assert rerun.wait(timeout=300) == 0, log.read_text()[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stages"]["sft"]["status"] == "ran"
+    result = store.require("sft", summary["stages"]["sft"]["artifact_id"]).result
+    assert result["resumed_from_step"] > 0  # the step it stopped at: saved on SIGTERM at the end of that step
+    assert result["steps"] == 400
