@@ -71,14 +71,14 @@ class RedactingFilter(logging.Filter):
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested settings -> {"a.b": "value"}; secret-looking keys are masked, values redacted."""
+    """Nested settings -> {"a.b": "value"}, values redacted. Redaction goes by value (secret environment values,
+    URL passwords), never by the setting's name: max_length_tokens or pad_token are settings, not secrets (configs
+    hold no credentials; those come from the environment)."""
     out: dict[str, str] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
             out.update(flatten(v, key + "."))
-        elif SECRET_NAME.search(str(k)):
-            out[key] = REDACTED
         else:
             s = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
             out[key] = redact(s)[:MAX_PARAM]

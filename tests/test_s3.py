@@ -75,8 +75,11 @@ def test_secret_redaction_helpers(monkeypatch):
     monkeypatch.setenv("MY_API_TOKEN", "tok-1234567890")
     assert redact("postgresql://bob:hunter2pw@db:5432/mlflow") == "postgresql://bob:***@db:5432/mlflow"
     assert redact("using tok-1234567890 now") == "using *** now"
-    assert flatten({"a": {"password": "x", "b": 1}, "url": "s3://k:tok-1234567890@bucket"}) == \
-        {"a.password": "***", "a.b": "1", "url": "s3://k:***@bucket"}
+    # by value, not by name: settings whose names contain "token" stay visible; a secret value is hidden anywhere
+    assert flatten({"a": {"max_length_tokens": 64, "pad_token": "<pad>", "b": 1}, "max_new_tokens": 16,
+                    "url": "s3://k:tok-1234567890@bucket", "note": "key tok-1234567890", "password": "x"}) == \
+        {"a.max_length_tokens": "64", "a.pad_token": "<pad>", "a.b": "1", "max_new_tokens": "16",
+         "url": "s3://k:***@bucket", "note": "key ***", "password": "x"}
     rec = logging.LogRecord("x", logging.INFO, __file__, 1, "key is %s", ("tok-1234567890",), None)
     RedactingFilter().filter(rec)
     assert rec.getMessage() == "key is ***"
