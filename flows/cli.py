@@ -1,6 +1,7 @@
 """`lmforge` command line: validate, plan, run, artifacts ls/show.
 
-Exit codes: 0 success, 1 a stage failed, 2 bad config, bad input or bad usage, 3 interrupted (SIGTERM/SIGINT:
+Exit codes: 0 success, 1 a stage failed, 2 bad config, bad data (found while planning or inside a stage, a damaged
+artifact too) or bad usage, 3 interrupted (SIGTERM/SIGINT:
 training checkpointed; rerun the same command to resume).
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                            accept_code_change=args.accept_code_change)
     except StageFailed as e:
         print(f"lmforge run: {e}", file=sys.stderr)
-        return 1
+        return 2 if e.only_bad_input else 1
     except Interrupted as e:
         print(f"lmforge run: {e}", file=sys.stderr)
         return EXIT_INTERRUPTED

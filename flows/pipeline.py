@@ -28,7 +28,7 @@ from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
 from lmforge import interrupt, provenance  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
-from lmforge.errors import LmforgeError, StageFailed  # noqa: E402
+from lmforge.errors import ArtifactError, ConfigError, DataError, LmforgeError, StageFailed  # noqa: E402
 from lmforge.executor import RunContext, execute_stage  # noqa: E402
 from lmforge.log import setup_logging  # noqa: E402
 from lmforge.plan import make_plan  # noqa: E402
@@ -81,10 +81,12 @@ def _stop_on_signals():
             signal.signal(sig, h)
 
 
-def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, str]]:
-    """Wait for every stage; (per-stage summaries, failures by stage name with their cause)."""
+def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, str], set[str]]:
+    """Wait for every stage; (per-stage summaries, failures by stage name with their cause, the stages that failed
+    on bad input)."""
     stages: dict[str, Any] = {}
     failures: dict[str, str] = {}
+    bad_input: set[str] = set()  # failed on bad config or data (exit 2), not on a crash (exit 1)
     for name, fut in futures.items():
         fut.wait()
         state = fut.state
@@ -94,12 +96,14 @@ def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, st
         exc = state.result(raise_on_failure=False) if state.is_failed() else None
         if isinstance(exc, BaseException):
             failures[name] = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, (ConfigError, DataError, ArtifactError)):
+                bad_input.add(name)
         else:
             upstream = [i for i in cfg.stages[name].inputs if i in failures]
             failures[name] = f"not run: upstream {', '.join(upstream)} failed" if upstream else \
                 f"{state.name}: {state.message}"
         stages[name] = {"stage": name, "status": "failed", "error": failures[name]}
-    return stages, failures
+    return stages, failures, bad_input
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
@@ -156,7 +160,7 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
                 wait_for = [futures[i] for i in sc.inputs if i in futures]
                 futures[name] = runner.submit(t, {"ctx": ctx, "name": name}, wait_for=wait_for) if runner else \
                     t.submit(ctx, name, wait_for=wait_for)
-            stages, failures = _collect(futures, cfg)
+            stages, failures, bad_input = _collect(futures, cfg)
 
         summary = {
             "pipeline": cfg.name,
@@ -180,7 +184,7 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
                                         f"{stopped}. Finished stages and uploaded checkpoints are kept: rerun the same "
                                         "command to resume.")
         if failures:
-            raise StageFailed(failures, flow_run['id'] or None)
+            raise StageFailed(failures, flow_run['id'] or None, bad_input=bad_input)
     except BaseException:  # never leave the parent RUNNING, whatever ended the run
         tracker.end_run(parent, "KILLED" if interrupt.requested() else "FAILED")
         raise

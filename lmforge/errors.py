@@ -59,9 +59,14 @@ class StageFailed(LmforgeError):
 
     retryable = False
 
-    def __init__(self, failures: dict[str, str], flow_run_id: str | None = None):
+    def __init__(self, failures: dict[str, str], flow_run_id: str | None = None, bad_input: set[str] | None = None):
         self.failures = failures
         self.flow_run_id = flow_run_id
+        #: the stages that failed on bad config or data (ConfigError, DataError, ArtifactError); when every failed
+        #: stage did (the rest only waited on them), the run failed on bad input: the CLI exits 2, not 1
+        self.bad_input = set(bad_input or ())
+        ran = {n for n, cause in failures.items() if not cause.startswith("not run: upstream")}
+        self.only_bad_input = bool(ran) and ran <= self.bad_input
         lines = [f"{len(failures)} stage(s) failed:"]
         lines += [f"  - stage '{name}': {cause}" for name, cause in failures.items()]
         lines.append("Finished stages are kept: fix the cause and run the same command again to redo only the "

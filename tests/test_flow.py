@@ -150,9 +150,9 @@ def test_cli_run_plan_and_artifacts(cfg_path, tmp_path, capsys):
     assert f"artifact shard/{shard_id}" in out and "lineage:" in out
     assert f"ingest/{summary['stages']['ingest']['artifact_id']}" in out and sha[:16] in out
     assert str(tmp_path / "data/text.jsonl") in out
-    # a stage failure is a non-zero exit naming the stage and the cause
+    # bad data found inside a stage exits 2 (bad input, as in the README), naming the stage and the cause
     (tmp_path / "data/pairs.jsonl").write_text('{"prompt": "p"}\n')
-    assert main(["run", str(cfg_path), "--force", "ingest_pairs"]) == 1
+    assert main(["run", str(cfg_path), "--force", "ingest_pairs"]) == 2
     err = capsys.readouterr().err
     assert "stage 'ingest_pairs': DataError" in err and "missing field 'chosen'" in err
     assert main(["artifacts", "show", "zzzz", "--store", str(tmp_path / "artifacts")]) == 2
@@ -174,7 +174,7 @@ def test_prefect_flow_run_retry_redoes_only_the_failed_stages(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}  # own API db, own server
     first = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg)], cwd=REPO, env=env,
                            capture_output=True, text=True)
-    assert first.returncode == 1
+    assert first.returncode == 2  # bad data inside a stage: bad input
     m = re.search(r"prefect flow-run retry ([0-9a-f-]{36}) --entrypoint flows/pipeline.py:pipeline", first.stderr)
     assert m, first.stderr
     pairs.write_text(good)
