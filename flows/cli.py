@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from lmforge import preflight
 from lmforge.config import load_config
 from lmforge.errors import ConfigError, LmforgeError, StageFailed
 from lmforge.interrupt import Interrupted
@@ -62,8 +63,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from lmforge.plan import make_plan
 
-    # fail fast on config and input problems, before the Prefect engine starts
+    # fail fast on config and input problems and on unreachable services, before the Prefect engine starts
     cfg = load_config(args.config, _kinds(), args.override)
+    preflight.check_all(cfg.store_url, cfg.tracking_uri)
     make_plan(cfg, _kinds(), args.force, accept_code_change=args.accept_code_change)
     from flows.pipeline import pipeline
 

@@ -26,7 +26,7 @@ from prefect import flow, runtime, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
-from lmforge import interrupt, provenance  # noqa: E402
+from lmforge import interrupt, preflight, provenance  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
 from lmforge.errors import ArtifactError, ConfigError, DataError, LmforgeError, StageFailed  # noqa: E402
 from lmforge.executor import RunContext, execute_stage  # noqa: E402
@@ -119,6 +119,7 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
     `accept_code_change` keeps its earlier artifact across a code change (see `lmforge run --accept-code-change`)."""
     setup_logging()
     cfg = load_config(config_path, REGISTRY, overrides or [])
+    preflight.check_all(cfg.store_url, cfg.tracking_uri)  # a deployment run too: services first, each bounded
     plan = make_plan(cfg, REGISTRY, force or [], accept_code_change=accept_code_change or [])
     log.info("plan:\n%s", plan.format())
     flow_run = {"id": str(runtime.flow_run.id or ""), "name": str(runtime.flow_run.name or "")}

@@ -1,0 +1,62 @@
+"""Services that are down or refuse the run: `lmforge run` exits 2 within 30 s with one line naming the URL and the
+setting or environment variable to fix, before any stage runs. (An unreachable tracking server took 274 s and
+printed only urllib3 warnings; a down S3 endpoint or bad credentials gave a raw traceback from planning.)"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import s3fs
+
+from flows.cli import main
+from tests.conftest import basic_config, write_config
+
+
+def _run(tmp_path, capsys, **top) -> tuple[int, float, str]:
+    raw = basic_config(tmp_path)
+    raw.update(top)
+    cfg = write_config(tmp_path, raw)
+    t0 = time.monotonic()
+    rc = main(["run", str(cfg)])
+    return rc, time.monotonic() - t0, capsys.readouterr().err
+
+
+def test_unreachable_tracking_server(tmp_path, capsys):
+    rc, seconds, err = _run(tmp_path, capsys, tracking="http://127.0.0.1:9")
+    assert rc == 2 and seconds < 30, (rc, seconds, err)
+    assert "tracking server http://127.0.0.1:9 is unreachable" in err
+    assert "`tracking:`" in err and "MLFLOW_TRACKING_URI" in err
+    assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").iterdir())  # nothing ran
+
+
+def test_unreachable_prefect_api(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    rc, seconds, err = _run(tmp_path, capsys)
+    assert rc == 2 and seconds < 30, (rc, seconds, err)
+    assert "Prefect API http://127.0.0.1:9/api is unreachable" in err and "PREFECT_API_URL" in err
+
+
+def test_s3_endpoint_down(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    s3fs.S3FileSystem.clear_instance_cache()
+    rc, seconds, err = _run(tmp_path, capsys, store="s3://lmforge-test/down")
+    assert rc == 2 and seconds < 30, (rc, seconds, err)
+    assert "the S3 endpoint http://127.0.0.1:9 is unreachable" in err and "AWS_ENDPOINT_URL" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.s3
+def test_s3_wrong_credentials_and_missing_bucket(s3, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    s3fs.S3FileSystem.clear_instance_cache()
+    rc, seconds, err = _run(tmp_path, capsys, store="s3://lmforge-test/creds")
+    assert rc == 2 and seconds < 30, (rc, seconds, err)
+    assert "refused the credentials" in err and "AWS_ACCESS_KEY_ID" in err and "not-the-secret" not in err
+    monkeypatch.undo()
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    rc, seconds, err = _run(tmp_path, capsys, store="s3://no-such-bucket/x")
+    assert rc == 2 and "bucket 'no-such-bucket' does not exist" in err, err
