@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import platform
 import re
 import time
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from typing import Any, Mapping
 from lmforge import interrupt, provenance
 from lmforge.datasets import DatasetInput
 from lmforge.errors import ArtifactError, FailedAfterPublish
+from lmforge.lease import Lease
 from lmforge.plan import Plan, StagePlan
 from lmforge.stage import StageDef, StageRuntime, numeric_leaves
 from lmforge.store import Artifact, _now
@@ -107,38 +110,61 @@ def _load_inputs(ctx: RunContext, sp: StagePlan) -> list[DatasetInput | Artifact
     return out
 
 
-def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
-    """Returns {"stage", "status": ran|cached, "artifact_id", "uri", "seconds", "mlflow_run_id"}."""
+def _cached(ctx: RunContext, name: str, existing: Artifact) -> dict[str, Any]:
+    """A stage whose artifact exists: a child run marked cached and linked to the run that made it."""
     plan, store, tr = ctx.plan, ctx.plan.store, ctx.tracker
     sp = plan.stages[name]
-    sc = plan.cfg.stages[name]
+    run_id = None
+    if tr:
+        source = existing.manifest.get("produced_by", {}).get("mlflow_run_id", "")
+        run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "true", "lmforge.source_run_id": source,
+                                     "mlflow.note.content": f"Cached: artifact made by run {source}"},
+                              ctx.parent_run_id)
+        tr.log_params(run_id, sp.settings)
+        tr.log_metrics(run_id, numeric_leaves(existing.result))
+    if sp.accepted:
+        _use_accepted(ctx, sp, run_id)
+    if tr:
+        if not existing.manifest.get("failure"):
+            _register_model(ctx, sp, existing, run_id)
+        tr.end_run(run_id, "FAILED" if existing.manifest.get("failure") else "FINISHED")
+    store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
+    if existing.manifest.get("failure"):
+        raise FailedAfterPublish(f"{existing.manifest['failure']} (cached artifact {sp.uri})", existing.result)
+    log.info("stage %s: cached %s", name, sp.uri)
+    return {"stage": name, "status": "cached", "artifact_id": sp.artifact_id, "uri": sp.uri,
+            "seconds": 0.0, "mlflow_run_id": run_id}
+
+
+def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
+    """Returns {"stage", "status": ran|cached, "artifact_id", "uri", "seconds", "mlflow_run_id"}."""
+    store, sp = ctx.plan.store, ctx.plan.stages[name]
     existing = store.get(sp.kind, sp.artifact_id)
     if existing is not None and not sp.forced:
-        run_id = None
-        if tr:
-            source = existing.manifest.get("produced_by", {}).get("mlflow_run_id", "")
-            run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "true", "lmforge.source_run_id": source,
-                                         "mlflow.note.content": f"Cached: artifact made by run {source}"},
-                                  ctx.parent_run_id)
-            tr.log_params(run_id, sp.settings)
-            tr.log_metrics(run_id, numeric_leaves(existing.result))
-        if sp.accepted:
-            _use_accepted(ctx, sp, run_id)
-        if tr:
-            if not existing.manifest.get("failure"):
-                _register_model(ctx, sp, existing, run_id)
-            tr.end_run(run_id, "FAILED" if existing.manifest.get("failure") else "FINISHED")
-        store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
-        if existing.manifest.get("failure"):
-            raise FailedAfterPublish(f"{existing.manifest['failure']} (cached artifact {sp.uri})", existing.result)
-        log.info("stage %s: cached %s", name, sp.uri)
-        return {"stage": name, "status": "cached", "artifact_id": sp.artifact_id, "uri": sp.uri,
-                "seconds": 0.0, "mlflow_run_id": run_id}
-
+        return _cached(ctx, name, existing)
     if sp.accepted:  # running here would write new code's output under the old code's id
         raise ArtifactError(f"stage {name}: the artifact accepted across a code change, {sp.uri}, is gone; rerun "
                             f"without --accept-code-change {name} to make {sp.kind}/{sp.accepted['new_artifact_id']}")
     interrupt.check(f"stage {name}")  # asked to stop: a stage that has not started does not start
+    # one builder per artifact: another run building it now is waited for, and its result used
+    held = Lease(store, sp.kind, sp.artifact_id, run=ctx.flow_run.get("id") or f"{platform.node()}:{os.getpid()}")
+    if not held.acquire(done=lambda: not sp.forced and store.get(sp.kind, sp.artifact_id) is not None):
+        log.info("stage %s: %s was built meanwhile by another run; using it", name, sp.uri)
+        return _cached(ctx, name, store.require(sp.kind, sp.artifact_id))
+    try:
+        return _build(ctx, name, held)
+    finally:
+        held.release()
+
+
+def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
+    """Run the stage under `held` and publish its artifact (only while the lease is still ours)."""
+    plan, store, tr = ctx.plan, ctx.plan.store, ctx.tracker
+    sp = plan.stages[name]
+    sc = plan.cfg.stages[name]
+    existing = store.get(sp.kind, sp.artifact_id)
+    if existing is not None and not sp.forced:  # published between the plan and the lease
+        return _cached(ctx, name, existing)
     sdef = ctx.kinds[sp.kind]
     run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "false"}, ctx.parent_run_id) if tr else None
     try:
@@ -189,6 +215,7 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                 manifest["nondeterminism"] = det["nondeterminism"]
             if failure is not None:
                 manifest["failure"] = str(failure)
+            held.check()  # fencing: a run whose lease was taken over does not publish
             artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced,
                                      history_stamp=sp.extra.get("history_stamp"))
         store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)

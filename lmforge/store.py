@@ -32,7 +32,8 @@ MANIFEST = "manifest.json"
 CHECKPOINTS = "_checkpoints"
 HISTORY = "_history"
 ACCEPTED = "_accepted"  # {store}/_accepted/{kind}/{new_id}.json: an earlier artifact reused across a code change
-RESERVED = {MANIFEST, CHECKPOINTS, HISTORY}
+LEASE = "_lease.json"  # lmforge.lease: which run builds this artifact now
+RESERVED = {MANIFEST, CHECKPOINTS, HISTORY, LEASE}
 ID_LEN = 16
 
 

@@ -7,6 +7,7 @@ MLflow passes through `redact()` first.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -85,14 +86,35 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def _sqlite_init_lock(uri: str):
+    """An exclusive file lock beside a sqlite tracking database while MLflow opens (and maybe creates) it: two
+    `lmforge run` starting at once on a fresh mlflow.db both ran MLflow's alembic migration, and one failed
+    ("Can't locate revision ... in 'alembic_version'")."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    path = Path(uri.removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class Tracker:
     def __init__(self, uri: str, experiment: str):
         from mlflow.tracking import MlflowClient  # heavy import, paid only when tracking is used
 
         self.uri = uri
         self.lock = threading.RLock()  # one writer at a time: sqlite stores lock on concurrent writes
-        self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(experiment)
+        with _sqlite_init_lock(uri):  # two runs creating one new sqlite store race on its schema migration
+            self.client = MlflowClient(tracking_uri=uri)
+            exp = self.client.get_experiment_by_name(experiment)
         if exp is not None:
             self.experiment_id = exp.experiment_id
         else:

@@ -1,0 +1,149 @@
+"""One builder per artifact: a lease in the store, with a heartbeat and an expiry.
+
+Two `lmforge run` of the same config (or two pipelines sharing a stage) must not build the same artifact at once:
+they would train twice into one `_checkpoints/` and prune each other's files. Before a stage runs, its run takes
+`{store}/{kind}/{id}/_lease.json`. Another run that needs the same artifact waits, logging who holds the lease
+(run, host, pid, since when), and uses the result once its manifest appears. The holder renews the lease every
+`ttl/4`; a holder that was SIGKILLed stops renewing, and after `ttl` a waiter takes the lease over and resumes from
+the checkpoints. A holder that lost its lease (it stalled past the expiry and someone took over) must not publish:
+`check()` before publishing raises `LeaseLost` (fencing).
+
+Creating the lease is exclusive: `O_CREAT|O_EXCL` on a local store; on S3 a conditional PUT (`If-None-Match: *`,
+honoured by AWS S3 since 2024 and by SeaweedFS), followed by a read-back that confirms the owner, so a server that
+ignored the condition still leaves only one winner in all but a race inside one round trip. Taking over an
+expired lease deletes it and creates it again through the same exclusive path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from lmforge.errors import LmforgeError
+
+log = logging.getLogger(__name__)
+
+LEASE = "_lease.json"
+TTL_SECONDS = float(os.environ.get("LMFORGE_LEASE_SECONDS", "120"))
+POLL_SECONDS = float(os.environ.get("LMFORGE_LEASE_POLL_SECONDS", "2"))
+
+
+class LeaseLost(LmforgeError):
+    """This run's lease on an artifact expired and another run took it over: it must not publish."""
+
+
+class Lease:
+    def __init__(self, store, kind: str, aid: str, run: str, ttl: float | None = None):
+        self.store, self.kind, self.aid, self.run = store, kind, aid, run
+        self.ttl = ttl or TTL_SECONDS
+        self.path = f"{store.artifact_path(kind, aid)}/{LEASE}"
+        self.owner = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost = False
+
+    # ---- the record
+    def _record(self) -> dict[str, Any]:
+        now = time.time()
+        return {"owner": self.owner, "run": self.run, "host": platform.node(), "pid": os.getpid(),
+                "since": getattr(self, "_since", now), "heartbeat": now, "expires": now + self.ttl}
+
+    def read(self) -> dict[str, Any] | None:
+        fs = self.store.fs
+        try:
+            fs.invalidate_cache(self.path)
+            return json.loads(fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, ValueError):  # half-written by a crash mid-write: treat as expired
+            return {"owner": "?", "expires": 0}
+
+    def _create_exclusive(self) -> bool:
+        data = json.dumps(self._record()).encode()
+        fs = self.store.fs
+        fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
+        if self.store.local:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        try:
+            fs.pipe_file(self.path, data, IfNoneMatch="*")
+        except OSError as e:  # 412 Precondition Failed: someone has it (s3fs raises it as an OSError)
+            text = f"{e!r} {e.__cause__!r}".lower().replace("-", "")
+            if isinstance(e, FileExistsError) or "412" in text or "precondition" in text:
+                return False
+            raise
+        got = self.read()  # a server that ignored the condition: the last writer wins; confirm it is us
+        return bool(got) and got.get("owner") == self.owner
+
+    # ---- taking, keeping, giving back
+    def acquire(self, done: Callable[[], bool]) -> bool:
+        """Take the lease, waiting while another live run holds it. Returns False (without the lease) when `done()`
+        says the artifact was published meanwhile."""
+        waited_log = 0.0
+        while True:
+            if done():
+                return False
+            self._since = time.time()
+            if self._create_exclusive():
+                break
+            held = self.read()
+            if held is None:
+                continue  # released between our attempt and the read: try again
+            if time.time() > float(held.get("expires", 0)):
+                log.warning("%s/%s: the lease of run %s (host %s, pid %s) expired %.0f s ago; taking over (its "
+                            "checkpoints are kept and resumed)", self.kind, self.aid, held.get("run"), held.get("host"),
+                            held.get("pid"), time.time() - float(held.get("expires", 0)))
+                self._delete_if(held.get("owner"))
+                continue
+            if time.monotonic() - waited_log > 30:
+                since = time.strftime("%H:%M:%S", time.localtime(float(held.get("since", 0))))
+                log.info("%s/%s is being built by run %s (host %s, pid %s, since %s); waiting for it", self.kind,
+                         self.aid, held.get("run"), held.get("host"), held.get("pid"), since)
+                waited_log = time.monotonic()
+            time.sleep(POLL_SECONDS)
+        self._thread = threading.Thread(target=self._heartbeat, name=f"lease-{self.kind}-{self.aid}", daemon=True)
+        self._thread.start()
+        return True
+
+    def _delete_if(self, owner: str | None) -> None:
+        held = self.read()
+        if held is not None and held.get("owner") == owner:
+            try:
+                self.store.fs.rm_file(self.path)
+            except FileNotFoundError:
+                pass
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
+            held = self.read()
+            if held is None or held.get("owner") != self.owner:
+                self.lost = True
+                log.error("%s/%s: this run lost its lease (now held by run %s); it will not publish", self.kind,
+                          self.aid, (held or {}).get("run"))
+                return
+            self.store._write_json(self.path, self._record())
+
+    def check(self) -> None:
+        """Fencing: raise LeaseLost unless this run still holds the lease."""
+        held = self.read()
+        if self.lost or held is None or held.get("owner") != self.owner:
+            self.lost = True
+            raise LeaseLost(f"{self.kind}/{self.aid}: this run's lease expired and run {(held or {}).get('run')} "
+                            "took the artifact over; not publishing (the other run builds it)")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if not self.lost:
+            self._delete_if(self.owner)
