@@ -5,7 +5,7 @@ they would train twice into one `_checkpoints/` and prune each other's files. Be
 `{store}/{kind}/{id}/_lease.json`. Another run that needs the same artifact waits, logging who holds the lease
 (run, host, pid, since when), and uses the result once its manifest appears. The holder renews the lease every
 `ttl/4`; a holder that was SIGKILLed stops renewing, and after `ttl` a waiter takes the lease over and resumes from
-the checkpoints. A holder that lost its lease (it stalled past the expiry and someone took over) must not publish:
+the checkpoints (at once when the holder ran on this host and its process is gone). A holder that lost its lease (it stalled past the expiry and someone took over) must not publish:
 `check()` before publishing raises `LeaseLost` (fencing).
 
 Creating the lease is exclusive: `O_CREAT|O_EXCL` on a local store; on S3 a conditional PUT (`If-None-Match: *`,
@@ -35,6 +35,19 @@ POLL_SECONDS = float(os.environ.get("LMFORGE_LEASE_POLL_SECONDS", "2"))
 
 class LeaseLost(LmforgeError):
     """This run's lease on an artifact expired and another run took it over: it must not publish."""
+
+
+def _holder_is_gone(held: dict[str, Any]) -> bool:
+    """A holder on this host whose process no longer exists (kill -9) need not be waited for until its expiry."""
+    if held.get("host") != platform.node() or not isinstance(held.get("pid"), int):
+        return False
+    try:
+        os.kill(held["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 class Lease:
@@ -99,10 +112,13 @@ class Lease:
             held = self.read()
             if held is None:
                 continue  # released between our attempt and the read: try again
-            if time.time() > float(held.get("expires", 0)):
-                log.warning("%s/%s: the lease of run %s (host %s, pid %s) expired %.0f s ago; taking over (its "
+            dead = _holder_is_gone(held)
+            if dead or time.time() > float(held.get("expires", 0)):
+                why = "its process is gone" if dead else \
+                    f"it expired {time.time() - float(held.get('expires', 0)):.0f} s ago"
+                log.warning("%s/%s: the lease of run %s (host %s, pid %s) is stale: %s; taking over (its "
                             "checkpoints are kept and resumed)", self.kind, self.aid, held.get("run"), held.get("host"),
-                            held.get("pid"), time.time() - float(held.get("expires", 0)))
+                            held.get("pid"), why)
                 self._delete_if(held.get("owner"))
                 continue
             if time.monotonic() - waited_log > 30:

@@ -98,3 +98,19 @@ def test_two_concurrent_runs_execute_each_stage_exactly_once(tmp_path):
     assert "published meanwhile by another run" not in "".join(logs)
     store = ArtifactStore(str(tmp_path / "artifacts"))
     assert [a.kind for a in store.list("sft")] == ["sft"] and not store.fs.glob(f"{store.root}/*/*/_lease.json")
+
+
+def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path, monkeypatch):
+    """kill -9 of a run, then a rerun on the same machine: no wait for the expiry."""
+    monkeypatch.setattr("lmforge.lease.POLL_SECONDS", 0.05)
+    store = ArtifactStore(str(tmp_path / "store"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = Lease(store, "k", "id4", run="killed", ttl=600)
+    assert stale.acquire(done=lambda: False)
+    stale._stop.set()
+    record = stale.read()
+    store._write_json(stale.path, {**record, "pid": dead.pid})  # its process exited without releasing
+    t0 = time.monotonic()
+    assert Lease(store, "k", "id4", run="rerun").acquire(done=lambda: False)
+    assert time.monotonic() - t0 < 5
