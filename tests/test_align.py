@@ -376,7 +376,6 @@ def _kill_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str)
     return checkpoint.latest_complete(uri)[0], errors
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["reward", "dpo"])
 def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(root, kinds_module, kind):
     from trainer.errors import TrainingError

@@ -311,7 +311,6 @@ def _kill_all_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: 
     return checkpoint.latest_complete(uri)[0], errors
 
 
-@pytest.mark.slow
 def test_ddp_two_processes_resume_after_sigkill(root, kinds_module):
     from trainer import checkpoint
     from trainer.errors import TrainingError
@@ -372,7 +371,6 @@ def test_deepspeed_zero2_two_processes_through_sft(root, kinds_module):
     assert gen.shape[1] > prompt["input_ids"].shape[1]
 
 
-@pytest.mark.slow
 def test_deepspeed_zero2_resumed_after_sigkill_matches_an_uninterrupted_run(root, kinds_module, tmp_path):
     """Killed after its first checkpoint and rerun, ZeRO-2 restores model, optimizer partitions, scheduler, RNG and
     data position: the final weights equal those of a run that was never interrupted."""
@@ -398,7 +396,6 @@ def test_deepspeed_zero2_resumed_after_sigkill_matches_an_uninterrupted_run(root
     assert sorted(a) == sorted(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-@pytest.mark.slow
 def test_sigterm_reaches_every_rank_which_checkpoint_and_stop(root, kinds_module):
     """What the stage does on SIGTERM (launch.stop_training): each rank, not torchrun, gets it; the ranks agree on
     the step, save one checkpoint together, and the stage ends in Preempted."""

@@ -285,7 +285,6 @@ def test_reward_functions_enter_the_artifact_id(root, kinds_module):
 # checkpoints: SIGKILL the training process, rerun, resume
 
 
-@pytest.mark.slow
 def test_grpo_sigkill_then_rerun_resumes_from_the_last_checkpoint(root, kinds_module):
     from tests.test_align import _kill_after_first_checkpoint
     from trainer.errors import TrainingError

@@ -335,7 +335,6 @@ def test_ppo_qlora_on_a_4bit_base(root, kinds_module):
     assert r["eval_reward_trained"] > r["eval_reward_start"], r
 
 
-@pytest.mark.slow
 def test_ppo_lora_on_two_ddp_processes_resumes_exactly(root, kinds_module):
     """torchrun, 2 CPU processes (gloo): each samples its slice of every update's prompts; TRL would reach the
     adapter-disabled reference through the DDP wrapper, so it gets a frozen copy. Unpublished, the stage resumes
@@ -391,7 +390,6 @@ def _signal_after_first_checkpoint(root, kinds, stage: dict[str, Any], sig: int)
     return checkpoint.latest_complete(uri)[0], errors
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
 def test_ppo_stopped_then_rerun_resumes_from_the_last_checkpoint(root, kinds_module, sig):
     """SIGKILL: the newest uploaded checkpoint survives. SIGTERM: TRL's loop would go on (it ignores

@@ -385,7 +385,6 @@ def test_sigterm_checkpoints_at_the_end_of_the_step_and_stops(root, kinds_module
     assert plan.store.get("sft", plan.stages["preempt"].artifact_id) is None
 
 
-@pytest.mark.slow
 def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(root, kinds_module, tmp_path):
     """Model, optimizer, scheduler, RNG and data position all come back: the weights match bit for bit."""
     import torch
