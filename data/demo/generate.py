@@ -40,7 +40,7 @@ def main() -> None:
                 row = {"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
             f.write(json.dumps(row) + "\n")
     with open(HERE / "preference.jsonl", "w") as f:
-        for i in range(600):  # the two formats of chat.jsonl, alternating: alignment must not unlearn either
+        for i in range(3000):  # the two formats of chat.jsonl, alternating: alignment must not unlearn either
             a, b = rng.randint(0, 9), rng.randint(0, 9)
             d = rng.choice([-3, -2, -1, 1, 2, 3])
             wrong = a + b + d if a + b + d >= 0 else a + b - d
