@@ -10,8 +10,9 @@ export DO_NOT_TRACK = 1
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
-# one math thread per process: on small CPU machines torch's thread pool costs more than it gives
-# (the demo's tiny model trains ~10x faster); override with OMP_NUM_THREADS=N make demo
+# one math thread in the stage processes (eval, data stages): on small CPU machines torch's thread pool costs more
+# than it gives. Training processes ignore this and use their stage's cpu_threads setting (default 1), so a
+# result never depends on what the shell exported.
 OMP_NUM_THREADS ?= 1
 export OMP_NUM_THREADS
 

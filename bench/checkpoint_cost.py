@@ -81,6 +81,7 @@ def run_pipeline(store: str, data: Path, tmp: Path, args, every: int, lines: Chi
                       "sft": {"kind": "sft", "inputs": ["shard", "tokenizer"], "method": "full", "max_steps": steps,
                               "batch_size_per_device": args.batch, "max_length_tokens": args.max_length,
                               "learning_rate": 1e-3, "evaluate": False, "control_prompts": [], "retries": 0,
+                              "cpu_threads": args.threads,
                               "base_model": {"config": model_config(args.hidden, args.layers, args.max_length)}}}}
     tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench-ckpt")  # the default `tracking:` kind
     plan = make_plan(parse_config(raw, REGISTRY, root=tmp), REGISTRY)
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--rows", type=int, default=2000)
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the training process")
+    ap.add_argument("--threads", type=int, default=1, help="math threads of the training process (cpu_threads)")
     ap.add_argument("--stores", default="local,s3")
     args = ap.parse_args()
 

@@ -46,7 +46,7 @@ def stages(args) -> dict[str, dict]:
     """Training stages by name; a stage whose kind has no tasks/<kind>.py yet is left out by the caller."""
     model = {"config": model_config(args.hidden, args.layers)}
     common = {"max_steps": args.steps, "batch_size_per_device": 8, "max_length_tokens": 64, "learning_rate": 1e-3,
-              "logging_steps": 2, "evaluate": False, "control_prompts": [], "retries": 0}
+              "logging_steps": 2, "evaluate": False, "control_prompts": [], "retries": 0, "cpu_threads": args.threads}
     lora = {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
     sft = {"kind": "sft", "inputs": ["shard_chat", "tokenizer"], "base_model": model, **common}
     rl = {k: v for k, v in common.items() if k != "evaluate"}
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the training processes")
+    ap.add_argument("--threads", type=int, default=1, help="math threads of each training process (cpu_threads)")
     ap.add_argument("--only", help="comma-separated stage names (default: every one whose kind exists)")
     args = ap.parse_args()
 

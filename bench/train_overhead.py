@@ -82,6 +82,7 @@ def sft_settings(args) -> dict:
     s = {"method": args.method, "max_steps": args.steps, "batch_size_per_device": args.batch,
          "max_length_tokens": args.max_length, "learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2,
          "seed": 0, "logging_steps": 10, "evaluate": False, "assistant_only_loss": True, "packing": False,
+         "cpu_threads": args.threads,  # the plain script gets the same count through OMP_NUM_THREADS
          "control_prompts": [],  # the before/after generations check has no counterpart in the plain script
          "base_model": {"config": model_config(args.hidden, args.layers, args.max_length)}}
     if args.method == "lora":
@@ -226,7 +227,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
+    ap.add_argument("--threads", type=int, default=1, help="math threads of every training process (cpu_threads; OMP_NUM_THREADS for the plain script)")
     ap.add_argument("--no-tracking", action="store_true", help="no MLflow (the stage then logs nowhere)")
     ap.add_argument("--plain", help=argparse.SUPPRESS)  # worker: json {data, tokenizer, out, settings}
     args = ap.parse_args()
