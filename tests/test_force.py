@@ -57,11 +57,13 @@ def test_force_trains_from_step_zero_and_keeps_the_replaced_artifact_whole(tmp_p
                 seen["checkpoints"] = sorted(done)
             time.sleep(0.01)
 
+    assert main(["plan", str(cfg), "--force", "sft"]) == 0  # what the forced run will do, and why
+    plan = capsys.readouterr().out
+    assert "forced (--force sft)" in plan and "forced: depends on sft" in plan
     watcher = threading.Thread(target=watch)
     watcher.start()
     assert main(["run", str(cfg), "--force", "sft"]) == 0
     watcher.join()
-    out = capsys.readouterr().err
     assert seen.get("old_during_training") == old_finished, seen
     assert seen["checkpoints"][0] == f"{first.path}/_checkpoints/checkpoint-10/DONE", seen  # the new run's first
 
@@ -84,4 +86,3 @@ def test_force_trains_from_step_zero_and_keeps_the_replaced_artifact_whole(tmp_p
     assert again.result["resumed_from_step"] == 0
     assert again.manifest["timings"]["finished_at"] != dependant.manifest["timings"]["finished_at"]
     assert len(store.fs.ls(f"{dependant.path}/_history", detail=False)) == 1
-    assert "forced (--force sft)" in out and "forced: depends on sft" in out
