@@ -78,6 +78,14 @@ def kinds():
     return REGISTRY
 
 
+@pytest.fixture(scope="module")
+def kinds_module():
+    """The stage registry, for module-scoped fixtures that build a shared store."""
+    from tasks import REGISTRY
+
+    return REGISTRY
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_prefect_ephemeral_server():
     """Stop Prefect's temporary API server while pytest's output streams are still open."""

@@ -72,26 +72,12 @@ def run_stages(root: Path, kinds, stages: dict[str, dict[str, Any]], names: list
     return plan, out
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_training_process(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def kinds_module():
-    from tasks import REGISTRY
-
-    return REGISTRY
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
     root = tmp_path_factory.mktemp("align")
     write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
     write_jsonl(root / "data" / "pairs.jsonl", preference_rows())
-    with pytest.MonkeyPatch.context() as mp:  # the function-scoped autouse fixture does not cover module fixtures
-        mp.setenv("OMP_NUM_THREADS", "1")
-        run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft"])
+    run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft"])
     return root
 
 

@@ -52,7 +52,6 @@ def test_demo_runs_end_to_end_and_each_training_stage_improves_held_out_scores(t
     from flows.pipeline import pipeline
     from lmforge.store import ArtifactStore
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models on 2 shared cores: one thread per process is fastest
     store = tmp_path / "artifacts"
     summary = pipeline(config_path=str(DEMO), overrides=[f"store={store}", f"tracking=sqlite:///{tmp_path / 'm.db'}"])
     trained = ["tokenizer", "pretrain", "sft", "reward", "dpo", "ppo"]

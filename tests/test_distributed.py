@@ -21,8 +21,7 @@ from lmforge.errors import ConfigError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
 from tests.conftest import write_jsonl
-from tests.test_trainer import (_one_thread_per_training_process, artifact, chat_rows, kinds_module, pipeline,  # noqa: F401
-                                root, run_stages, sft)
+from tests.test_trainer import artifact, chat_rows, pipeline, root, run_stages, sft  # noqa: F401
 from trainer import distributed
 from trainer.errors import SettingError
 

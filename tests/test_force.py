@@ -10,18 +10,12 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from flows.cli import main
 from lmforge.store import ArtifactStore, sha256_file
 from tests.conftest import write_jsonl
 from tests.test_trainer import chat_rows, pipeline, sft
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def test_force_trains_from_step_zero_and_keeps_the_replaced_artifact_whole(tmp_path, capsys):

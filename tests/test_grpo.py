@@ -31,12 +31,6 @@ FAST = {"max_length_tokens": MAX_LENGTH, "max_completion_tokens": 12, "batch_siz
 FORMAT_REWARDS = ["trainer.rewards:sum_correct", "trainer.rewards:one_sentence"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_training_process(monkeypatch):
-    """As in test_align/test_trainer: one thread per process is fastest on 2 cores and keeps sums in one order."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
 def chat_rows(n: int) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):
@@ -62,26 +56,12 @@ def grpo(**over) -> dict[str, Any]:
             "temperature": 1.5, **FAST, **over}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_training_process(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def kinds_module():
-    from tasks import REGISTRY
-
-    return REGISTRY
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
     root = tmp_path_factory.mktemp("grpo")
     write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
     write_jsonl(root / "data" / "pairs.jsonl", preference_rows())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft"])
+    run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft"])
     return root
 
 

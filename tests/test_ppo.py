@@ -66,26 +66,12 @@ def run(root: Path, kinds, stages: dict[str, dict[str, Any]], names: list[str], 
     return run_stages(root, kinds, {**BASE_STAGES, **stages}, names, tracker=tracker)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_training_process(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def kinds_module():
-    from tasks import REGISTRY
-
-    return REGISTRY
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
     root = tmp_path_factory.mktemp("ppo")
     write_jsonl(root / "data" / "chat.jsonl", ppo_chat_rows(200))
     write_jsonl(root / "data" / "pairs.jsonl", ppo_preference_rows())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        run(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft", "rm"])
+    run(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft", "rm"])
     return root
 
 

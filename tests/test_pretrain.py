@@ -80,18 +80,6 @@ def pretrain(**over) -> dict[str, Any]:
 SCRATCH = pretrain(max_steps=120, num_workers=2, checkpoint_every_steps=10, keep_checkpoints=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_training_process(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def kinds_module():
-    from tasks import REGISTRY
-
-    return REGISTRY
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
     root = tmp_path_factory.mktemp("pretrain")
@@ -241,13 +229,11 @@ def _kill_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str)
 @pytest.fixture(scope="module")
 def scratch(root, kinds_module):
     """The from-scratch run, SIGKILLed after its first uploaded checkpoint, then rerun: (plan, step killed at)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"pt": SCRATCH}, "pt")
-        from trainer.errors import TrainingError
+    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"pt": SCRATCH}, "pt")
+    from trainer.errors import TrainingError
 
-        assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
-        plan, out = run_stages(root, kinds_module, {"pt": SCRATCH}, ["pt"])
+    assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
+    plan, out = run_stages(root, kinds_module, {"pt": SCRATCH}, ["pt"])
     assert out["pt"]["status"] == "ran"
     return plan, killed_at
 

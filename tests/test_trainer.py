@@ -77,19 +77,6 @@ def root(tmp_path_factory, kinds_module):
     return root
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_training_process(monkeypatch):
-    """Tiny models on 2 shared cores: one intra-op thread per process is ~30x faster than two fighting."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def kinds_module():
-    from tasks import REGISTRY
-
-    return REGISTRY
-
-
 def sft(**over) -> dict[str, Any]:
     return {"kind": "sft", "inputs": ["shard", "tokenizer"], "base_model": {"config": TINY_LLAMA}, **SFT_FAST, **over}
 

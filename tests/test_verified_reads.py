@@ -89,18 +89,6 @@ def fix(stage: str) -> str:
     return f"rerun stage '{stage}' with --force (`lmforge run <config> --force {stage}`)."
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_training_process(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="module")
-def kinds_module():
-    from tasks import REGISTRY
-
-    return REGISTRY
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
     root = tmp_path_factory.mktemp("verified")
