@@ -1,4 +1,4 @@
-"""`lmforge` command line: validate, plan, run, artifacts ls/show.
+"""`lmforge` command line: validate, plan, run, artifacts ls/show, gc.
 
 Exit codes: 0 success, 1 a stage failed, 2 bad config, bad data (found while planning or inside a stage, a damaged
 artifact too) or bad usage, 3 interrupted (SIGTERM/SIGINT:
@@ -167,6 +167,25 @@ def _accepted_line(m: dict[str, Any]) -> str:
         if acc else ""
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from lmforge import gc
+
+    store = _store(args)
+    if args.keep_checkpoints < 0:
+        raise ConfigError([f"--keep-checkpoints: {args.keep_checkpoints} is negative; give 0 (none) or more"])
+    report = gc.collect(store, keep_checkpoints=args.keep_checkpoints, unreferenced=args.unreferenced,
+                        caches=args.caches, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for r in report.removals:
+        print(f"  {verb} {r.what:<12} {r.bytes / 2**20:>10.1f} MB  {r.path}  ({r.why})")
+    print(f"{store.url}: {verb} {len(report.removals)} item(s), {'would free' if args.dry_run else 'freed'} "
+          f"{report.bytes / 2**20:.1f} MB ({report.bytes} bytes)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmforge", description="Declarative LLM pipeline: corpus -> evaluated model.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -195,6 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
         g.add_argument("-c", "--config", help="use the store of this pipeline config")
         x.set_defaults(fn=fn)
+    g = sub.add_parser("gc", help="remove leftovers of killed runs, checkpoints of finished artifacts and, "
+                                  "optionally, artifacts no pipeline refers to; reports the bytes freed")
+    g.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    g.add_argument("--keep-checkpoints", type=int, default=0, metavar="N",
+                   help="keep the newest N complete checkpoints of each finished artifact (default 0: none)")
+    g.add_argument("--unreferenced", action="store_true",
+                   help="also remove finished artifacts that no pipeline ref (_refs/) reaches, directly or as an "
+                        "input of one that is")
+    g.add_argument("--caches", action="store_true", help="also empty the local model cache (lmforge-models/)")
+    g.add_argument("--json", action="store_true", help="print the report as JSON")
+    gg = g.add_mutually_exclusive_group()
+    gg.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
+    gg.add_argument("-c", "--config", help="use the store of this pipeline config")
+    g.set_defaults(fn=cmd_gc)
     return p
 
 

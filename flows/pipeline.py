@@ -26,7 +26,7 @@ from prefect import flow, runtime, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
-from lmforge import interrupt, preflight, provenance  # noqa: E402
+from lmforge import gc, interrupt, preflight, provenance  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
 from lmforge.errors import ArtifactError, ConfigError, DataError, LmforgeError, StageFailed  # noqa: E402
 from lmforge.executor import RunContext, execute_stage  # noqa: E402
@@ -122,8 +122,14 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
     preflight.check_all(cfg.store_url, cfg.tracking_uri)  # a deployment run too: services first, each bounded
     plan = make_plan(cfg, REGISTRY, force or [], accept_code_change=accept_code_change or [])
     log.info("plan:\n%s", plan.format())
+    swept = gc.sweep_leftovers(plan.store)  # staging and scratch folders of killed runs
+    if swept.removals:
+        log.info("removed %d leftover folder(s) of runs that are gone (%.1f MB): %s", len(swept.removals),
+                 swept.bytes / 2**20, "; ".join(f"{r.path} ({r.why})" for r in swept.removals))
     flow_run = {"id": str(runtime.flow_run.id or ""), "name": str(runtime.flow_run.name or "")}
     tracker = Tracker(cfg.tracking_uri, cfg.name)
+    for run_id in tracker.end_runs_of_dead_processes():
+        log.warning("MLflow run %s was left RUNNING by a process that died (kill -9?); marked KILLED", run_id)
     parent = tracker.start_run(f"{cfg.name}-{flow_run['name'] or 'local'}", {
         "lmforge.pipeline": cfg.name,
         "prefect.flow_run_id": flow_run["id"],

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lmforge import interrupt, provenance
+from lmforge import gc, interrupt, provenance
 from lmforge.datasets import DatasetInput
 from lmforge.errors import ArtifactError, FailedAfterPublish
-from lmforge.lease import Lease
+from lmforge.lease import Lease, LeaseLost
 from lmforge.plan import Plan, StagePlan
 from lmforge.stage import StageDef, StageRuntime, numeric_leaves
 from lmforge.store import Artifact, _now
@@ -147,14 +147,21 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
                             f"without --accept-code-change {name} to make {sp.kind}/{sp.accepted['new_artifact_id']}")
     interrupt.check(f"stage {name}")  # asked to stop: a stage that has not started does not start
     # one builder per artifact: another run building it now is waited for, and its result used
-    held = Lease(store, sp.kind, sp.artifact_id, run=ctx.flow_run.get("id") or f"{platform.node()}:{os.getpid()}")
-    if not held.acquire(done=lambda: not sp.forced and store.get(sp.kind, sp.artifact_id) is not None):
-        log.info("stage %s: %s was built meanwhile by another run; using it", name, sp.uri)
-        return _cached(ctx, name, store.require(sp.kind, sp.artifact_id))
-    try:
-        return _build(ctx, name, held)
-    finally:
-        held.release()
+    while True:
+        held = Lease(store, sp.kind, sp.artifact_id, run=ctx.flow_run.get("id") or f"{platform.node()}:{os.getpid()}")
+        if not held.acquire(done=lambda: not sp.forced and store.get(sp.kind, sp.artifact_id) is not None):
+            log.info("stage %s: %s was built meanwhile by another run; using it", name, sp.uri)
+            return _cached(ctx, name, store.require(sp.kind, sp.artifact_id))
+        if held.took_over:  # its holder died: remove what it left in staging and scratch
+            gc.sweep_leftovers(store)
+        try:
+            return _build(ctx, name, held)
+        except LeaseLost as e:  # this run stalled past its lease and another run took the stage over: wait for it
+            if sp.forced:
+                raise
+            log.warning("stage %s: %s; waiting for that run's result", name, e)
+        finally:
+            held.release()
 
 
 def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
@@ -182,7 +189,7 @@ def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
                 runtime = StageRuntime(pipeline=plan.cfg.name, stage=name, kind=sp.kind, artifact_id=sp.artifact_id,
                                        store=store, checkpoint_uri=store.checkpoint_uri(sp.kind, sp.artifact_id),
                                        tracking_uri=tr.uri if tr else None, mlflow_run_id=run_id,
-                                       root=plan.cfg.root)
+                                       root=plan.cfg.root, lease=held.fence())
                 run = functools.partial(sdef.run, runtime=runtime)
             else:
                 run = sdef.run

@@ -24,6 +24,8 @@ import time
 import uuid
 from typing import Any, Callable
 
+from pydantic import BaseModel, ConfigDict
+
 from lmforge.errors import LmforgeError
 
 log = logging.getLogger(__name__)
@@ -39,15 +41,11 @@ class LeaseLost(LmforgeError):
 
 def _holder_is_gone(held: dict[str, Any]) -> bool:
     """A holder on this host whose process no longer exists (kill -9) need not be waited for until its expiry."""
+    from lmforge.gc import process_gone
+
     if held.get("host") != platform.node() or not isinstance(held.get("pid"), int):
         return False
-    try:
-        os.kill(held["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    return process_gone(held["pid"], held.get("pid_started"))
 
 
 class Lease:
@@ -59,11 +57,15 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False
+        self.took_over: dict[str, Any] | None = None  # the stale holder's record, when acquire took the lease over
 
     # ---- the record
     def _record(self) -> dict[str, Any]:
         now = time.time()
+        from lmforge.gc import process_started
+
         return {"owner": self.owner, "run": self.run, "host": platform.node(), "pid": os.getpid(),
+                "pid_started": process_started(os.getpid()),
                 "since": getattr(self, "_since", now), "heartbeat": now, "expires": now + self.ttl}
 
     def read(self) -> dict[str, Any] | None:
@@ -120,6 +122,7 @@ class Lease:
                             "checkpoints are kept and resumed)", self.kind, self.aid, held.get("run"), held.get("host"),
                             held.get("pid"), why)
                 self._delete_if(held.get("owner"))
+                self.took_over = held
                 continue
             if time.monotonic() - waited_log > 30:
                 since = time.strftime("%H:%M:%S", time.localtime(float(held.get("since", 0))))
@@ -157,9 +160,40 @@ class Lease:
             raise LeaseLost(f"{self.kind}/{self.aid}: this run's lease expired and run {(held or {}).get('run')} "
                             "took the artifact over; not publishing (the other run builds it)")
 
+    def fence(self) -> "Fence":
+        """What a training child needs to check that this run still holds the lease before it writes or prunes
+        checkpoints."""
+        return Fence(uri=self.store.artifact_uri(self.kind, self.aid) + "/" + LEASE, owner=self.owner)
+
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
         if not self.lost:
             self._delete_if(self.owner)
+
+
+class Fence(BaseModel):
+    """A lease as a training child sees it: the lease file's URL and the owner this run wrote into it. The child
+    checks it before every checkpoint upload and prune, so a run whose lease was taken over (it stalled past the
+    expiry) cannot overwrite or prune the checkpoints of the run that now holds it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    uri: str
+    owner: str
+
+    def check(self, what: str) -> None:
+        from lmforge.store import filesystem
+
+        fs, path = filesystem(self.uri)
+        try:
+            fs.invalidate_cache(path)
+            held = json.loads(fs.cat_file(path))
+        except FileNotFoundError:
+            held = None
+        except (json.JSONDecodeError, ValueError):
+            held = {}
+        if not held or held.get("owner") != self.owner:
+            raise LeaseLost(f"{what}: this run no longer holds the lease {self.uri} (now "
+                            f"{'held by run ' + str(held.get('run')) if held else 'released'}); it does not touch the "
+                            "checkpoints, which belong to the holder")

@@ -83,6 +83,7 @@ class StageRuntime:
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
     root: Path = Path(".")  # project root: relative paths in settings resolve against it
+    lease: Any = None  # lmforge.lease.Fence of the stage's lease: the child checks it before touching checkpoints
 
 
 @dataclass(frozen=True)

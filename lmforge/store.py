@@ -369,7 +369,8 @@ class ArtifactStore:
     # ---- writing
     @contextlib.contextmanager
     def staging(self, kind: str, aid: str) -> Iterator[Path]:
-        """A fresh local folder to write an artifact into; removed afterwards, whatever happens."""
+        """A fresh local folder to write an artifact into (`<staging>/<kind>-<id>-<random>/out/`, next to the
+        `owner.json` of `lmforge.gc`); removed afterwards, whatever happens, and by the next run after a kill -9."""
         if self.local:
             base = Path(self.root) / "_staging"
             base.mkdir(parents=True, exist_ok=True)  # same filesystem: publish is a rename
@@ -379,7 +380,11 @@ class ArtifactStore:
         path = base / f"{kind}-{aid}-{uuid.uuid4().hex[:8]}"
         path.mkdir()
         try:
-            yield path
+            from lmforge import gc
+
+            gc.claim(path, kind, aid)  # whose it is: a rerun removes it if this process dies (kill -9)
+            (path / "out").mkdir()
+            yield path / "out"
         finally:
             shutil.rmtree(path, ignore_errors=True)
 

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import re
 import threading
 import time
@@ -106,6 +107,14 @@ def _sqlite_init_lock(uri: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _process_tags() -> dict[str, str]:
+    from lmforge.gc import process_started
+
+    started = process_started(os.getpid())
+    return {"lmforge.host": platform.node(), "lmforge.pid": str(os.getpid()),
+            "lmforge.pid_started": f"{started:.3f}" if started else ""}
+
+
 class Tracker:
     def __init__(self, uri: str, experiment: str):
         from mlflow.tracking import MlflowClient  # heavy import, paid only when tracking is used
@@ -139,6 +148,7 @@ class Tracker:
     def start_run(self, name: str, tags: dict[str, str], parent_id: str | None = None) -> str:
         with self.lock:
             tags = {k: redact(str(v)) for k, v in tags.items()}
+            tags.update(_process_tags())  # which process ends it: a run whose process died is ended by the next run
             if parent_id:
                 tags["mlflow.parentRunId"] = parent_id
             run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
@@ -198,6 +208,28 @@ class Tracker:
                                                            description=description).version
             self.client.set_registered_model_alias(name, alias, str(version))
             return str(version)
+
+    def end_runs_of_dead_processes(self) -> list[str]:
+        """Runs left RUNNING by a process that died without ending them (kill -9, the OOM killer, a lost node): on
+        this host, a run whose process is gone is set KILLED, with a note. Returns their ids."""
+        from lmforge.gc import process_gone
+
+        with self.lock:
+            running = self.client.search_runs([self.experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
+            ended = []
+            for r in running:
+                t = r.data.tags
+                if t.get("lmforge.host") != platform.node() or not t.get("lmforge.pid", "").isdigit():
+                    continue
+                started = float(t["lmforge.pid_started"]) if t.get("lmforge.pid_started") else None
+                if not process_gone(int(t["lmforge.pid"]), started):
+                    continue
+                self.client.set_tag(r.info.run_id, "lmforge.ended_by",
+                                    f"its process {t['lmforge.pid']} on {platform.node()} died without ending it "
+                                    "(kill -9?); ended by a later run")
+                self.client.set_terminated(r.info.run_id, status="KILLED")
+                ended.append(r.info.run_id)
+            return ended
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         with self.lock:

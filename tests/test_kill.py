@@ -23,7 +23,7 @@ def test_kill_9_midway_leaves_no_manifest_and_rerun_completes(tmp_path):
         deadline = time.monotonic() + 180
         part = None
         while time.monotonic() < deadline and proc.poll() is None:
-            parts = list((store / "_staging").glob("ingest-*/records/part-*.jsonl"))
+            parts = list((store / "_staging").glob("ingest-*/out/records/part-*.jsonl"))
             if parts and parts[0].stat().st_size > 1_000_000:
                 part = parts[0]
                 break

@@ -114,3 +114,36 @@ def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path, 
     t0 = time.monotonic()
     assert Lease(store, "k", "id4", run="rerun").acquire(done=lambda: False)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_run_that_lost_its_lease_neither_uploads_nor_prunes_checkpoints(tmp_path, monkeypatch):
+    """The checkpoints belong to the lease holder: a stale run (its lease expired and was taken over) that reaches
+    its next checkpoint fails with LeaseLost before it writes or prunes anything in `_checkpoints/`."""
+    from trainer.checkpoint import CheckpointCallback, list_checkpoints
+
+    monkeypatch.setattr("lmforge.lease.POLL_SECONDS", 0.05)
+    store = ArtifactStore(str(tmp_path / "store"))
+    uri = store.checkpoint_uri("sft", "id4")
+    local = tmp_path / "local" / "checkpoint-5"
+    local.mkdir(parents=True)
+    (local / "weights.bin").write_bytes(b"w" * 64)
+
+    stale = Lease(store, "sft", "id4", run="stale", ttl=1.0)
+    assert stale.acquire(done=lambda: False)
+    cb = CheckpointCallback(uri, 5, None, keep=1, fence=stale.fence())
+    outcome: dict = {}
+    cb._upload(local, 5, outcome)  # while it holds the lease: uploaded
+    assert "error" not in outcome and [s for s, _, done in list_checkpoints(uri) if done] == [5]
+
+    stale._stop.set()  # it stalls: no heartbeats
+    holder = Lease(store, "sft", "id4", run="holder", ttl=30)
+    assert holder.acquire(done=lambda: False)  # takes over after the expiry
+    (local.parent / "checkpoint-10").mkdir()
+    (local.parent / "checkpoint-10" / "weights.bin").write_bytes(b"x" * 64)
+    outcome = {}
+    cb._upload(local.parent / "checkpoint-10", 10, outcome)
+    assert isinstance(outcome["error"], LeaseLost)
+    assert "no longer holds the lease" in str(outcome["error"]) and "held by run holder" in str(outcome["error"])
+    assert [s for s, _, done in list_checkpoints(uri) if done] == [5]  # not written, and 5 not pruned
+    holder.fence().check("the holder")  # the holder's own fence passes
+    holder.release()

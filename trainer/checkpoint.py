@@ -259,8 +259,9 @@ class CheckpointCallback(TrainerCallback):
     training and after a SIGTERM's save, so the stage never finishes or stops with an upload in flight. An
     upload that failed fails the training at that join, as it would have in the loop."""
 
-    def __init__(self, uri: str, every_steps: int | None, every_minutes: float | None, keep: int):
+    def __init__(self, uri: str, every_steps: int | None, every_minutes: float | None, keep: int, fence=None):
         self.uri, self.every_steps, self.every_minutes, self.keep = uri, every_steps, every_minutes, keep
+        self.fence = fence  # lmforge.lease.Fence: the checkpoints belong to the lease holder
         self.last_save = time.monotonic()
         self.stopped_by_signal = False
         self.uploaded: list[int] = []
@@ -319,7 +320,11 @@ class CheckpointCallback(TrainerCallback):
     def _upload(self, local: Path, step: int, outcome: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         try:
+            if self.fence is not None:
+                self.fence.check(f"checkpoint {step}: upload to {self.uri}")
             upload(local, self.uri, step)
+            if self.fence is not None:
+                self.fence.check(f"checkpoint {step}: prune of {self.uri}")
             removed = prune(self.uri, self.keep)
             if removed:
                 log.info("pruned checkpoints %s (keeping the newest %d)", removed, self.keep)
@@ -354,7 +359,7 @@ def summary(callback: CheckpointCallback) -> dict[str, Any]:
 def callback_for(spec, s) -> "CheckpointCallback":
     """The checkpoint callback every recipe uses, from the job spec and the recipe's settings."""
     return CheckpointCallback(spec.checkpoint_uri, s.checkpoint_every_steps, s.checkpoint_every_minutes,
-                              s.keep_checkpoints)
+                              s.keep_checkpoints, fence=spec.lease)
 
 
 def train_resumable(trainer, spec, ckpt: "CheckpointCallback"):

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from lmforge.errors import ArtifactError
+from lmforge.lease import Fence
 from lmforge.shards import ShardRef
 from lmforge.store import Artifact, ArtifactStore
 
@@ -58,6 +59,7 @@ class JobSpec(BaseModel):
     output_dir: str  # local folder the final artifact files go into (the stage's staging folder)
     work_dir: str  # local scratch: local checkpoints, downloaded inputs, spec and result files
     checkpoint_uri: str  # fsspec URL; each checkpoint is uploaded here as soon as it is saved
+    lease: Fence | None = None  # the stage's lease: checked before every checkpoint upload and prune (fencing)
     resume_from: str | None = None  # local copy of the newest complete checkpoint, downloaded by the parent
     resume_step: int | None = None
     tracking_uri: str | None = None

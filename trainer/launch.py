@@ -42,7 +42,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
-from lmforge import interrupt
+from lmforge import gc, interrupt
 from trainer import checkpoint, determinism, distributed
 from trainer.errors import Preempted, SettingError, TrainingError
 from trainer.job import JobSpec
@@ -65,6 +65,7 @@ def work_dir(stage: str, artifact_id: str) -> Iterator[Path]:
     base = Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / "lmforge-train"
     path = base / f"{stage}-{artifact_id}-{uuid.uuid4().hex[:8]}"
     path.mkdir(parents=True)
+    gc.claim(path, stage, artifact_id)  # whose it is: the next run removes it if this process dies (kill -9)
     try:
         yield path
     finally:
@@ -276,6 +277,10 @@ def _outcome(spec: JobSpec, rc: int, work: Path, tail: list[str]) -> dict[str, A
         raise SettingError(err["field"], err["problem"])
     if err and err.get("type") == "Preempted":
         raise Preempted(err["message"])
+    if err and err.get("type") == "LeaseLost":  # fenced off its checkpoints: another run builds this stage now
+        from lmforge.lease import LeaseLost
+
+        raise LeaseLost(err["message"])
     how = f"exit status {rc}"
     if rc < 0:
         name = signal.Signals(-rc).name
