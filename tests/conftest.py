@@ -125,3 +125,17 @@ def s3(tmp_path_factory):
             else:
                 os.environ[k] = v
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def short_demo_runs(tmp_path_factory):
+    """Two fresh, uninterrupted `lmforge run` of the short demo (tests/short_demo.py) at the same time, into two
+    stores, with OMP_NUM_THREADS 1 and 2 exported: [(folder, summary)]. Shared by the determinism test and the fault
+    suite (whose reference is the first)."""
+    from tests import short_demo
+
+    base = tmp_path_factory.mktemp("short-demo")
+    procs = [(base / f"run{i}", short_demo.start(base / f"run{i}", threads)) for i, threads in enumerate(("1", "2"))]
+    for d, p in procs:
+        assert p.wait(timeout=1200) == 0, (d / "log.txt").read_text()[-4000:]
+    return [(d, short_demo.summary(d)) for d, _ in procs]
