@@ -9,6 +9,7 @@ The signal goes to the CLI process, as a scheduler or a user sends it, never to 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -18,7 +19,12 @@ import psutil
 import pytest
 
 from lmforge import interrupt
+from lmforge.config import parse_config
+from lmforge.executor import RunContext, execute_stage
+from lmforge.log import Progress
 from lmforge.parallel import Mapper, ProcessPoolMapper, make_mapper
+from lmforge.plan import make_plan
+from tests.conftest import text_rows, write_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -94,3 +100,55 @@ def test_the_in_process_mapper_stops_between_tasks():
     with pytest.raises(interrupt.Interrupted, match=r"^parts: stopped by SIGINT before it finished"):
         Mapper().map(lambda i: seen.append(_ask_to_stop_at_two(i)), range(6), what="parts")
     assert seen == [0, 10, 20]  # the task that asked finished; the next one did not start
+
+
+# ---------------------------------------------------------------------------------------------
+# each data stage stops between its units of work
+
+RECORDS = 3000
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory, kinds_module):
+    """A store with the ingest and shard artifacts of RECORDS text records: the inputs of every data stage."""
+    tmp = tmp_path_factory.mktemp("datastop")
+    write_jsonl(tmp / "data" / "text.jsonl", text_rows(RECORDS))
+    raw = {"name": "t", "store": str(tmp / "artifacts"),
+           "datasets": {"text": {"path": "data/text.jsonl", "kind": "text"}},
+           "stages": {"ingest": {"kind": "ingest", "inputs": ["text"]},
+                      "shard": {"kind": "shard", "inputs": ["ingest"], "max_count": 100_000}}}
+    plan = make_plan(parse_config(raw, kinds_module, root=tmp), kinds_module)
+    for name in ("ingest", "shard"):
+        execute_stage(RunContext(plan=plan, kinds=kinds_module), name)
+    return plan
+
+
+@pytest.mark.parametrize("kind, module, settings, ask_at, stopped_at, where", [
+    # records per check: interrupt.EVERY_RECORDS (1000); filter checks per chunk of 500, a mapper per task
+    ("ingest", "tasks.ingest", {}, 1500, 2000, "ingest text "),
+    ("filter", "tasks.filter", {}, 1500, 1500, "filter"),
+    ("dedup", "lmforge.parallel", {"workers": 1, "partition_records": 100}, 5, 5, "dedup map"),
+    ("shard", "tasks.shard", {"max_count": 100_000}, 1500, 2000, "shard write"),
+    ("tokenizer", "tasks.tokenizer", {"vocab_size": 300}, 1500, 2000, "tokenizer reading"),  # through tokenizers' Rust
+], ids=["ingest", "filter", "dedup", "shard", "tokenizer"])
+def test_a_data_stage_stops_between_its_units_of_work(upstream, kinds, monkeypatch, tmp_path, kind, module, settings,
+                                                      ask_at, stopped_at, where):
+    """The stop is asked from the stage's own progress counter after `ask_at` units: the stage raises `Interrupted`
+    at its next check, having done exactly `stopped_at` units."""
+    counted = []
+
+    class AskToStop(Progress):
+        def update(self, k: int = 1) -> None:
+            super().update(k)
+            counted.append(self.n)
+            if self.n >= ask_at:
+                interrupt.request(signal.SIGTERM)
+
+    monkeypatch.setattr(f"{module}.Progress", AskToStop)
+    source = "text" if kind == "ingest" else "shard" if kind == "tokenizer" else "ingest"
+    inputs = [upstream.datasets["text"]] if kind == "ingest" else \
+        [upstream.store.require(source, upstream.stages[source].artifact_id)]
+    cfg = kinds[kind].config(kind=kind, inputs=[source], **settings)
+    with pytest.raises(interrupt.Interrupted, match=rf"^{re.escape(where)}.*: stopped by SIGTERM before it finished"):
+        kinds[kind].run(cfg, inputs, tmp_path)
+    assert counted[-1] == stopped_at, counted[-5:]
