@@ -8,15 +8,20 @@ The signal goes to the CLI process, as a scheduler or a user sends it, never to 
 """
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from mlflow.tracking import MlflowClient
 
 from lmforge import interrupt
 from lmforge.config import parse_config
@@ -24,7 +29,8 @@ from lmforge.executor import RunContext, execute_stage
 from lmforge.log import Progress
 from lmforge.parallel import Mapper, ProcessPoolMapper, make_mapper
 from lmforge.plan import make_plan
-from tests.conftest import text_rows, write_jsonl
+from lmforge.store import ArtifactStore
+from tests.conftest import REPO, basic_config, text_rows, write_config, write_jsonl
 
 
 @pytest.fixture(autouse=True)
@@ -152,3 +158,103 @@ def test_a_data_stage_stops_between_its_units_of_work(upstream, kinds, monkeypat
     with pytest.raises(interrupt.Interrupted, match=rf"^{re.escape(where)}.*: stopped by SIGTERM before it finished"):
         kinds[kind].run(cfg, inputs, tmp_path)
     assert counted[-1] == stopped_at, counted[-5:]
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGTERM to `lmforge run` while dedup runs
+
+DOCS, DUPLICATE_EVERY = 30_000, 50
+
+
+def _docs() -> list[dict[str, str]]:
+    """Random 200-word documents (no two near each other) and, at the end, an exact copy of every 50th."""
+    rng = random.Random(0)
+    vocab = [f"w{i}" for i in range(5000)]
+    docs = [{"text": " ".join(rng.choices(vocab, k=200))} for _ in range(DOCS)]
+    return docs + docs[::DUPLICATE_EVERY]
+
+
+def _cli(cfg: Path, log: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg), *extra], cwd=cfg.parent, env=env,
+                            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _pool_workers(family: list[psutil.Process]) -> list[psutil.Process]:
+    """The process pool's workers: children of the CLI's multiprocessing fork server."""
+    out = []
+    for p in family:
+        try:
+            if "forkserver" in " ".join(p.cmdline()):
+                out += [c for c in p.children() if c in family]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_sigterm_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing_and_the_rerun_goes_on(tmp_path):
+    cfg = basic_config(tmp_path, max_count=10_000)  # one shard per split
+    write_jsonl(tmp_path / "data" / "text.jsonl", _docs())
+    cfg["stages"]["dedup"] = {"kind": "dedup", "inputs": ["ingest"], "workers": 2, "partition_records": 200,
+                              "retries": 1}
+    cfg["stages"]["shard"]["inputs"] = ["dedup"]
+    path = write_config(tmp_path, cfg)
+    log = tmp_path / "log.txt"
+    store = ArtifactStore(str(tmp_path / "artifacts"))
+    staging = f"{store.root}/_staging"
+
+    proc = _cli(path, log)
+    deadline = time.monotonic() + 240
+    mapped: list[str] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        store.fs.invalidate_cache()
+        mapped = store.fs.glob(f"{staging}/dedup-*.dedup-work-*/p*.npy")  # a map task is done: the pool works
+        if mapped and (len(store.fs.glob(f"{store.root}/ingest/*/manifest.json")),  # ingest, ingest_pairs, shard_pairs
+                       len(store.fs.glob(f"{store.root}/shard/*/manifest.json"))) == (2, 1):
+            break
+        time.sleep(0.05)
+    assert mapped, log.read_text()[-3000:]
+    family = psutil.Process(proc.pid).children(recursive=True)
+    workers = _pool_workers(family)
+    assert len(workers) == 2, [(p.pid, p.cmdline()) for p in family]
+    staged = [Path(p).name for p in store.fs.ls(staging)]
+    dedup_id = next(n for n in staged if n.startswith("dedup-") and ".dedup-work-" not in n).split("-")[1]
+
+    os.kill(proc.pid, signal.SIGTERM)  # the CLI itself
+    sent = time.monotonic()
+    rc = proc.wait(timeout=120)
+    exited = time.monotonic() - sent
+    out = log.read_text()
+    assert rc == 3, out[-3000:]
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert alive == [], [(p.pid, p.cmdline()) for p in alive]  # no pool worker, fork server or Prefect server
+    assert "SIGTERM: stopping." in out
+    assert "dedup map: stopped by SIGTERM before it finished; rerun the same command to go on" in out, out[-3000:]
+    assert "stopped 2 worker process(es) of the process pool" in out
+    assert ("Finished in state Failed('Task run encountered an exception Interrupted: dedup map: stopped by SIGTERM"
+            in out)  # the stage's Prefect task run
+    assert "stopped by SIGTERM; stages not finished: dedup, shard." in out
+    assert out.count("stage dedup: running") == 1  # an interrupted stage is not retried (retries: 1)
+    assert not re.search(r"dedup map \(process pool, 2 workers\): \d+ tasks done", out)  # stopped mid-map
+    assert exited < 60, exited  # the stage stops within a poll; the rest is Prefect and MLflow shutting down
+    store.fs.invalidate_cache()
+    assert store.get("dedup", dedup_id) is None and not store.fs.glob(f"{store.root}/dedup/*/manifest.json")
+    assert [n for n in map(lambda p: Path(p).name, store.fs.ls(staging)) if n.startswith("dedup-")] == []
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    dedup_runs = [r for r in runs if r.data.tags.get("lmforge.stage") == "dedup"]
+    assert [r.info.status for r in dedup_runs] == ["FAILED"]
+    assert dedup_runs[0].data.tags["lmforge.error"].startswith("Interrupted: dedup map: stopped by SIGTERM")
+    assert all(r.info.status != "RUNNING" for r in runs)
+
+    rerun = _cli(path, log, "--json", str(tmp_path / "summary.json"))
+    assert rerun.wait(timeout=300) == 0, log.read_text()[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {n: s["status"] for n, s in summary["stages"].items()} == {
+        "ingest": "cached", "ingest_pairs": "cached", "shard_pairs": "cached", "dedup": "ran", "shard": "ran"}
+    assert summary["stages"]["dedup"]["artifact_id"] == dedup_id  # the artifact the stopped run was making
+    result = store.require("dedup", dedup_id).result
+    duplicates = len(range(0, DOCS, DUPLICATE_EVERY))
+    assert (result["input_records"], result["records"]) == (DOCS + duplicates, DOCS)
+    assert result["dropped"] == {"exact_duplicate": duplicates, "near_duplicate": 0}
+    assert [n for n in map(lambda p: Path(p).name, store.fs.ls(staging)) if n.startswith("dedup-")] == []
