@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -61,14 +62,16 @@ def _stop_on_signals():
         return
 
     def handler(signum, frame):  # noqa: ARG001
-        from trainer import launch
-
+        # trainer.launch starts every training process, so if it is not imported none runs; importing it here would
+        # hold the stop request back for the ~7 s that torch and transformers take to import
+        launch = sys.modules.get("trainer.launch")
         if interrupt.requested():
             log.warning("%s again: ending the training processes now", signal.Signals(signum).name)
-            launch.kill_all()
+            if hasattr(launch, "kill_all"):
+                launch.kill_all()
             return
-        interrupt.request(signum)
-        pids = launch.stop_all()
+        interrupt.request(signum)  # first: data stages stop within a poll, and no training process starts now
+        pids = launch.stop_all() if hasattr(launch, "stop_all") else []
         log.warning("%s: stopping. Training process(es) %s checkpoint at the end of their step and stop; no new "
                     "stage starts. Rerun the same command to resume.", signal.Signals(signum).name,
                     ", ".join(map(str, pids)) or "(none running)")

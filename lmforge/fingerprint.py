@@ -39,10 +39,12 @@ HASH_LEN = 12
 #: - lmforge.provenance: the commit, versions and machine written into manifests (not the files);
 #: - lmforge.errors, trainer.errors: exception types and their messages;
 #: - lmforge.fingerprint: this module, which only names the code;
+#: - lmforge.interrupt: a stop request, after which a stage raises instead of writing anything;
 #: - tasks (the package's __init__): finds the stage modules, runs none of them.
 #: A module that decides a file's bytes, a default or an order never belongs here.
 EXCLUDED = frozenset({"lmforge.tracking", "trainer.metrics", "lmforge.log", "lmforge.provenance", "lmforge.errors",
-                      "trainer.errors", "lmforge.fingerprint", "tasks"})
+                      "trainer.errors", "lmforge.fingerprint", "lmforge.interrupt",
+                      "tasks"})
 
 #: Libraries whose version shapes an output: import name -> distribution name.
 LIBRARIES = {"torch": "torch", "transformers": "transformers", "trl": "trl", "peft": "peft",

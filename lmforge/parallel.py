@@ -16,6 +16,13 @@ Backends, picked by `make_mapper`:
   that runs threads, as Prefect and MLflow do, can deadlock). Like "spawn", it imports the main
   module in the workers, so a script that runs a stage needs the `if __name__ == "__main__":` guard;
 - otherwise, or inside a daemonic process (which may not start children): in this process.
+
+A stop request (`lmforge.interrupt`: SIGTERM or SIGINT to `lmforge run`) is noticed between tasks in
+this process and within `POLL_SECONDS` while waiting for workers: `map` raises `Interrupted`, cancels
+the tasks not started yet, and ends the local worker processes at once (they are stopped, not waited
+for: their output is thrown away with the stage's staging folder). Pool workers ignore SIGINT, so a
+Ctrl-C to the terminal's process group reaches them only through this. Tasks already running on a
+Dask cluster are cancelled, which Dask does between tasks, not inside one.
 """
 from __future__ import annotations
 
@@ -23,14 +30,18 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterable, Sequence
 
+from lmforge import interrupt
 from lmforge.log import Progress
 
 log = logging.getLogger(__name__)
+POLL_SECONDS = 0.2  # how often a wait for workers looks for a stop request
+STOP_GRACE_SECONDS = 2.0  # how long a worker gets to exit on SIGTERM before it is killed
 
 
 class Mapper:
@@ -44,6 +55,7 @@ class Mapper:
         progress = Progress(log, f"{what} ({self.kind})", total=len(items), unit="tasks")
         out = []
         for item in items:
+            interrupt.check(what)
             out.append(fn(item))
             progress.update()
         progress.done()
@@ -62,6 +74,11 @@ class Mapper:
         return f"{type(self).__name__}({self.kind}, parallelism={self.parallelism})"
 
 
+def _ignore_sigint() -> None:
+    """Pool worker initializer: Ctrl-C goes to the whole process group; the main process decides what stops."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class ProcessPoolMapper(Mapper):
     kind = "process pool"
 
@@ -71,30 +88,56 @@ class ProcessPoolMapper(Mapper):
         # modules imported once by the fork server, so workers start with them loaded (if this
         # process has not started its fork server yet; the setting is global to the process)
         ctx.set_forkserver_preload(["__main__", *preload])
-        self._pool = ProcessPoolExecutor(workers, mp_context=ctx)
+        self._pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_ignore_sigint)
+        self._stopped = False
 
     def map(self, fn, items, what="tasks"):
         items = list(items)
         progress = Progress(log, f"{what} ({self.kind}, {self.parallelism} workers)", total=len(items), unit="tasks")
+        interrupt.check(what)
         futures = [self._pool.submit(fn, item) for item in items]
         pending = set(futures)
         try:
             while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                done, pending = wait(pending, timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
                 for f in done:
                     f.result()  # raise the first failure at once
                 progress.update(len(done))
+                interrupt.check(what)
         except BrokenProcessPool as e:
+            # a signal sent to the whole process group also ended the workers: the stop request is the cause
+            if interrupt.requested() or interrupt.wait(1.0):
+                self.stop()
+                raise interrupt.error(what) from None
             raise RuntimeError(
                 f"a {what} worker process died: out of memory, or it was killed, or the main script lacks the "
                 "`if __name__ == '__main__':` guard that process pools need. Set workers: 1 to run in-process "
                 "and see the cause") from e
+        except interrupt.Interrupted:
+            self.stop()
+            raise
         except BaseException:
             for f in pending:
                 f.cancel()
             raise
         progress.done()
         return [f.result() for f in futures]
+
+    def stop(self) -> None:
+        """Cancel what has not started and end the worker processes now, without waiting for their tasks."""
+        if self._stopped:
+            return
+        self._stopped = True
+        procs = list((self._pool._processes or {}).values())  # the executor offers no public handle on them
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(STOP_GRACE_SECONDS)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        log.info("stopped %d worker process(es) of the process pool", len(procs))
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -115,7 +158,14 @@ class DaskMapper(Mapper):
         results = []
         try:
             for f in futures:  # in item order; raises the task's own exception
-                results.append(f.result())
+                while True:
+                    interrupt.check(what)
+                    try:
+                        results.append(f.result(timeout=POLL_SECONDS))
+                        break
+                    except TimeoutError:
+                        if f.done():  # the task's own TimeoutError
+                            raise
                 progress.update()
         finally:
             self.client.cancel([f for f in futures if not f.done()])

@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Iterator, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
+from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.errors import DataError
 from lmforge.log import Progress
@@ -423,7 +424,9 @@ def _union_find(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             x = parent[x]
         return x
 
-    for a, b in inv.reshape(-1, 2).tolist():
+    for i, (a, b) in enumerate(inv.reshape(-1, 2).tolist()):
+        if i % (100 * interrupt.EVERY_RECORDS) == 0:  # a pair costs about a microsecond
+            interrupt.check("dedup resolve")
         ra, rb = find(a), find(b)
         if ra != rb:  # the smaller root wins: nodes are sorted, so the root is the smallest member
             if ra < rb:
@@ -458,6 +461,7 @@ def _plan_partitions(src: Artifact, size: int) -> list[Partition]:
                 n += 1
                 offset += len(line)
                 if n == size:
+                    interrupt.check("dedup plan")
                     out.append(Partition(len(out), part, first, start, n))
                     start += n
                     n = 0
@@ -605,7 +609,7 @@ def _write(cfg: DedupConfig, src: Artifact, data_kind: str, n: int, found: dict[
     g = 0
     for part in part_names(src):
         with src.open(part) as f:  # verified against the manifest as it is read
-            for raw in f:
+            for raw in interrupt.checked(f, "dedup write"):
                 if (m < need_id.size and need_id[m] == g) or g in need_text:
                     rec = json.loads(raw)
                     if m < need_id.size and need_id[m] == g:

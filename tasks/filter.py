@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import signal
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +48,7 @@ from typing import Any, Callable, ClassVar, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.errors import DataError
 from lmforge.log import Progress
@@ -248,6 +250,7 @@ _WORKER_ENGINE: Engine | None = None
 
 def _init_worker(cfg: FilterConfig, kind: str) -> None:
     global _WORKER_ENGINE
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the main process decides
     _WORKER_ENGINE = Engine(cfg, kind)
 
 
@@ -301,7 +304,8 @@ def _chunks(src: Artifact) -> Iterator[list[dict[str, Any]]]:
 
 
 def _results(cfg: FilterConfig, kind: str, src: Artifact) -> Iterator[ChunkResult]:
-    """Chunk results in input order; in worker processes when `workers` > 1."""
+    """Chunk results in input order; in worker processes when `workers` > 1. A stop request is checked per chunk,
+    here, so leaving the `with` ends the pool's workers at once (`Pool.__exit__` terminates them)."""
     workers = cfg.workers
     if workers > 1 and multiprocessing.current_process().daemon:  # e.g. inside a Dask worker
         log.warning("filter runs in a daemonic process, which cannot start a pool: using 1 worker, not %d", workers)
@@ -309,6 +313,7 @@ def _results(cfg: FilterConfig, kind: str, src: Artifact) -> Iterator[ChunkResul
     if workers == 1:
         engine = Engine(cfg, kind)
         for chunk in _chunks(src):
+            interrupt.check("filter")
             yield engine.process(chunk)
         return
     # spawn: forking a process that runs threads (Prefect, MLflow) can deadlock
@@ -316,10 +321,12 @@ def _results(cfg: FilterConfig, kind: str, src: Artifact) -> Iterator[ChunkResul
     with ctx.Pool(workers, initializer=_init_worker, initargs=(cfg, kind)) as pool:
         pending: deque = deque()
         for chunk in _chunks(src):
+            interrupt.check("filter")
             pending.append(pool.apply_async(_work, (chunk,)))
             if len(pending) >= 2 * workers:  # bounded read-ahead keeps memory flat
                 yield pending.popleft().get()
         while pending:
+            interrupt.check("filter")
             yield pending.popleft().get()
 
 

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Literal
 
 from pydantic import Field
 
+from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.datasets import DatasetInput, SourceFile
 from lmforge.errors import DataError
@@ -136,7 +137,7 @@ def run(cfg: IngestConfig, inputs: list[DatasetInput], out: Path) -> IngestResul
             for src in ds.files:
                 nbytes += src.bytes
                 progress = Progress(log, f"ingest {ds.name} {Path(src.uri).name}")
-                for n, row in _rows(src, ds.config.txt_unit):
+                for n, row in interrupt.checked(_rows(src, ds.config.txt_unit), f"ingest {ds.name} {src.uri}"):
                     rows += 1
                     progress.update()
                     if not isinstance(row, BadRow):

@@ -15,6 +15,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.log import Progress
 from lmforge.records import iter_records, require_records
@@ -52,7 +53,8 @@ def run(cfg: ShardConfig, inputs: list[Artifact], out: Path) -> ShardResult:
 
     src = inputs[0]
     n = require_records(src)
-    keys = np.fromiter((_split_key(cfg.seed, r["id"]) for r in iter_records(src)), dtype=np.uint64, count=n)
+    keys = np.fromiter((_split_key(cfg.seed, r["id"]) for r in interrupt.checked(iter_records(src), "shard split")),
+                       dtype=np.uint64, count=n)
     k = round(n * cfg.validation_fraction)
     if cfg.validation_fraction > 0 and n >= 2:
         k = max(k, 1)
@@ -64,7 +66,7 @@ def run(cfg: ShardConfig, inputs: list[Artifact], out: Path) -> ShardResult:
     counts = dict.fromkeys(SPLITS, 0)
     progress = Progress(log, f"shard {src.kind}/{src.id}", total=n)
     try:
-        for rec in iter_records(src):
+        for rec in interrupt.checked(iter_records(src), "shard write"):
             split = "validation" if threshold is not None and _split_key(cfg.seed, rec["id"]) <= threshold else "train"
             writers[split].write({"__key__": f"{counts[split]:09d}", "json": rec})
             counts[split] += 1

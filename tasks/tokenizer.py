@@ -15,6 +15,7 @@ from typing import Any, Iterator, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.errors import DataError
 from lmforge.log import Progress
@@ -100,7 +101,8 @@ def run(cfg: TokenizerConfig, inputs: list[Artifact], out: Path) -> TokenizerRes
 
     def corpus() -> Iterator[str]:
         for art in inputs:
-            for rec in iter_samples(art, "train"):
+            # Interrupted raised here comes out of train_from_iterator as it is (tokenizers passes it on)
+            for rec in interrupt.checked(iter_samples(art, "train"), "tokenizer reading"):
                 if cfg.max_records is not None and stats["records"] >= cfg.max_records:
                     return
                 stats["records"] += 1
