@@ -208,7 +208,7 @@ def test_sigterm_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing
     mapped: list[str] = []
     while time.monotonic() < deadline and proc.poll() is None:
         store.fs.invalidate_cache()
-        mapped = store.fs.glob(f"{staging}/dedup-*.dedup-work-*/p*.npy")  # a map task is done: the pool works
+        mapped = store.fs.glob(f"{staging}/dedup-*/out.dedup-work-*/p*.npy")  # a map task is done: the pool works
         if mapped and (len(store.fs.glob(f"{store.root}/ingest/*/manifest.json")),  # ingest, ingest_pairs, shard_pairs
                        len(store.fs.glob(f"{store.root}/shard/*/manifest.json"))) == (2, 1):
             break
@@ -218,7 +218,7 @@ def test_sigterm_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing
     workers = _pool_workers(family)
     assert len(workers) == 2, [(p.pid, p.cmdline()) for p in family]
     staged = [Path(p).name for p in store.fs.ls(staging)]
-    dedup_id = next(n for n in staged if n.startswith("dedup-") and ".dedup-work-" not in n).split("-")[1]
+    dedup_id = next(n for n in staged if n.startswith("dedup-")).split("-")[1]
 
     os.kill(proc.pid, signal.SIGTERM)  # the CLI itself
     sent = time.monotonic()
