@@ -137,7 +137,7 @@ def _stop_on_cancellation(flow_run_id: str):
                 if done.wait(CANCEL_POLL_SECONDS):
                     return
 
-    # Prefect's settings and the flow run context go along, so the warning also shows under the run in the UI
+    # the thread sees the flow's Prefect settings (API URL, key, profile): they live in context variables
     watcher = threading.Thread(target=contextvars.copy_context().run, args=(watch,), daemon=True,
                                name=f"lmforge-cancel-watch-{flow_run_id[:8]}")
     watcher.start()

@@ -57,9 +57,12 @@ def describe(cause: int | str) -> str:
 
 
 def cause() -> str:
-    """What asked the run to stop first: `SIGTERM`, `SIGINT` or `a cancellation through Prefect`."""
-    first = _causes[:1]
-    return describe(first[0]) if first else "a stop request"
+    """What asked the run to stop: `a cancellation through Prefect` if it was one (a Prefect worker cancels by
+    sending SIGTERM, which may come first), else the first signal, `SIGTERM` or `SIGINT`."""
+    causes = list(_causes)
+    if PREFECT_CANCELLATION in causes:
+        return PREFECT_CANCELLATION
+    return describe(causes[0]) if causes else "a stop request"
 
 
 def check(where: str) -> None:
