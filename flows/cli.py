@@ -1,7 +1,7 @@
 """`lmforge` command line: validate, plan, run, artifacts ls/show, gc.
 
 Exit codes: 0 success, 1 a stage failed, 2 bad config, bad data (found while planning or inside a stage, a damaged
-artifact too) or bad usage, 3 interrupted (SIGTERM/SIGINT:
+artifact too) or bad usage, 3 interrupted (SIGTERM/SIGINT, or the flow run cancelled through Prefect:
 training checkpointed; rerun the same command to resume).
 """
 from __future__ import annotations
@@ -67,6 +67,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, _kinds(), args.override)
     preflight.check_all(cfg.store_url, cfg.tracking_uri)
     make_plan(cfg, _kinds(), args.force, accept_code_change=args.accept_code_change)
+    from prefect.exceptions import CancelledRun
+
     from flows.pipeline import pipeline
 
     try:
@@ -77,6 +79,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2 if e.only_bad_input else 1
     except Interrupted as e:
         print(f"lmforge run: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except CancelledRun as e:  # cancelled through Prefect, and its final state came from elsewhere than this run
+        print(f"lmforge run: the flow run was cancelled through Prefect ({e}). Finished stages and uploaded "
+              "checkpoints are kept: rerun the same command to resume.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RuntimeError as e:
         if "ephemeral Prefect API server" not in str(e):

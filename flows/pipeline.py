@@ -7,12 +7,14 @@ CLI all skip finished stages the same way. Prefect's own result cache is switche
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import signal
 import sys
 import threading
 from typing import Any
+from uuid import UUID
 
 # stage logs show in the terminal and in the Prefect UI under their task run; stages also run
 # outside flows (tests, scripts), where there is no flow run to send logs to: that is fine
@@ -25,6 +27,7 @@ EPHEMERAL_STARTUP_SECONDS = os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STAR
 import yaml  # noqa: E402
 from prefect import flow, runtime, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect.states import Cancelled  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
 from lmforge import gc, interrupt, preflight, provenance  # noqa: E402
@@ -39,6 +42,8 @@ from tasks import REGISTRY  # noqa: E402
 
 log = logging.getLogger(__name__)
 MAX_PARALLEL_STAGES = int(os.environ.get("LMFORGE_MAX_PARALLEL_STAGES", "4"))
+#: how often a run against a Prefect server reads its flow run's state to see a cancellation (`prefect flow-run cancel`)
+CANCEL_POLL_SECONDS = float(os.environ.get("LMFORGE_CANCEL_POLL_SECONDS", "2"))
 
 
 def _retry_condition(task, task_run, state) -> bool:
@@ -50,31 +55,43 @@ def _retry_condition(task, task_run, state) -> bool:
     return not (isinstance(exc, LmforgeError) and not exc.retryable)
 
 
+def _stop(cause: int | str) -> None:
+    """Stop the run: every training process checkpoints at the end of its step and stops, stages that have not
+    started do not start, nothing is retried; the flow then ends with `Interrupted`. `cause` is a signal number (from
+    the main thread's handler) or `interrupt.PREFECT_CANCELLATION` (from the cancellation watcher's thread). A second
+    signal ends the training process trees at once; a signal after a Prefect cancellation does not, since that is
+    how a Prefect worker cancels (it sends SIGTERM to the flow's process after the state turned Cancelling)."""
+    # trainer.launch starts every training process, so if it is not imported none runs; importing it here would
+    # hold the stop request back for the ~7 s that torch and transformers take to import
+    launch = sys.modules.get("trainer.launch")
+    what = interrupt.describe(cause)
+    if isinstance(cause, int) and interrupt.signalled():
+        log.warning("%s again: ending the training processes now", what)
+        if hasattr(launch, "kill_all"):
+            launch.kill_all()
+        return
+    already = interrupt.requested()
+    interrupt.request(cause)  # first: data stages stop within a poll, and no training process starts now
+    pids = ", ".join(map(str, launch.stop_all() if hasattr(launch, "stop_all") else [])) or "(none running)"
+    if already:
+        log.warning("%s: already stopping after %s; training process(es) %s asked again", what, interrupt.cause(), pids)
+        return
+    log.warning("%s: stopping. Training process(es) %s checkpoint at the end of their step and stop; no new stage "
+                "starts. Rerun the same command to resume.", what, pids)
+
+
 @contextlib.contextmanager
 def _stop_on_signals():
-    """SIGTERM or SIGINT to this process (preemption notice, eviction, Ctrl-C, a Prefect cancellation) while the
-    stages run: every training process checkpoints at the end of its step and stops, stages that have not started
-    do not start, nothing is retried; the flow then ends with `Interrupted`. A second signal ends the training
-    process trees at once. Python runs handlers in the main thread only: outside it (a flow run in a worker
-    thread) this does nothing and the caller's handling stays."""
+    """SIGTERM or SIGINT to this process (preemption notice, eviction, Ctrl-C, a Prefect worker cancelling the run)
+    while the stages run: `_stop`. Python runs handlers in the main thread only: outside it (a flow run in a worker
+    thread) this does nothing and the caller's handling stays. Prefect runs a flow run in the main thread of the
+    process it starts for it (`python -m prefect.engine` from a process worker, a spawned process from `serve()`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):  # noqa: ARG001
-        # trainer.launch starts every training process, so if it is not imported none runs; importing it here would
-        # hold the stop request back for the ~7 s that torch and transformers take to import
-        launch = sys.modules.get("trainer.launch")
-        if interrupt.requested():
-            log.warning("%s again: ending the training processes now", signal.Signals(signum).name)
-            if hasattr(launch, "kill_all"):
-                launch.kill_all()
-            return
-        interrupt.request(signum)  # first: data stages stop within a poll, and no training process starts now
-        pids = launch.stop_all() if hasattr(launch, "stop_all") else []
-        log.warning("%s: stopping. Training process(es) %s checkpoint at the end of their step and stop; no new "
-                    "stage starts. Rerun the same command to resume.", signal.Signals(signum).name,
-                    ", ".join(map(str, pids)) or "(none running)")
+        _stop(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -82,6 +99,56 @@ def _stop_on_signals():
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
+
+
+@contextlib.contextmanager
+def _stop_on_cancellation(flow_run_id: str):
+    """A cancellation of this flow run through Prefect (`prefect flow-run cancel`, the UI's Cancel) while the stages
+    run: `_stop`, as for SIGTERM.
+
+    Prefect tells only the processes that its worker or `serve()` runner started: they watch for the Cancelling
+    state and send SIGTERM to the flow's process. A flow run started by a plain call, as `lmforge run` does, is never
+    told: its stages run on, and the server then refuses its final state and leaves it Cancelling. So a thread reads
+    the flow run's state every CANCEL_POLL_SECONDS. Only against a Prefect server (PREFECT_API_URL set): nothing
+    can cancel a run on the temporary API that Prefect starts for this process alone."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not flow_run_id or not PREFECT_API_URL.value():
+        yield
+        return
+    done = threading.Event()
+
+    def watch():
+        from prefect.client.orchestration import get_client
+
+        with contextlib.ExitStack() as stack:
+            try:  # a client of its own (the flow's belongs to the flow's thread); the timeout bounds a hung request
+                client = stack.enter_context(get_client(sync_client=True, httpx_settings={"timeout": 10.0}))
+            except Exception as e:
+                log.warning("cannot watch flow run %s for a cancellation through Prefect (%s): cancelling it will "
+                            "not stop this run; SIGTERM still does", flow_run_id, e)
+                return
+            while True:
+                try:
+                    state = client.read_flow_run(UUID(flow_run_id)).state
+                except Exception as e:  # the server is away for a moment: the run goes on, and so does the watch
+                    log.debug("reading the state of flow run %s failed: %s", flow_run_id, e)
+                    state = None
+                if state is not None and (state.is_cancelling() or state.is_cancelled()):
+                    _stop(interrupt.PREFECT_CANCELLATION)
+                    return
+                if done.wait(CANCEL_POLL_SECONDS):
+                    return
+
+    # the thread sees the flow's Prefect settings (API URL, key, profile): they live in context variables
+    watcher = threading.Thread(target=contextvars.copy_context().run, args=(watch,), daemon=True,
+                               name=f"lmforge-cancel-watch-{flow_run_id[:8]}")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=15)
 
 
 def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, str], set[str]]:
@@ -119,7 +186,9 @@ def stage_task(ctx: RunContext, name: str) -> dict[str, Any]:
 def pipeline(config_path: str, overrides: list[str] | None = None, force: list[str] | None = None,
              accept_code_change: list[str] | None = None) -> dict[str, Any]:
     """Run the pipeline declared in `config_path`; stages with a finished artifact are skipped. A stage named in
-    `accept_code_change` keeps its earlier artifact across a code change (see `lmforge run --accept-code-change`)."""
+    `accept_code_change` keeps its earlier artifact across a code change (see `lmforge run --accept-code-change`).
+    A run stopped by a signal raises `Interrupted`; one cancelled through Prefect ends Cancelled, and the call raises
+    the same `Interrupted`."""
     setup_logging()
     cfg = load_config(config_path, REGISTRY, overrides or [])
     preflight.check_all(cfg.store_url, cfg.tracking_uri)  # a deployment run too: services first, each bounded
@@ -154,6 +223,7 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
         interrupt.reset()  # a new run in this process
         with contextlib.ExitStack() as stack:
             stack.enter_context(_stop_on_signals())
+            stack.enter_context(_stop_on_cancellation(flow_run["id"]))
             if cfg.dask_address:  # every stage becomes a task on the Dask cluster
                 from prefect_dask import DaskTaskRunner
 
@@ -190,9 +260,14 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
         tracker.end_run(parent, "KILLED" if interrupt.requested() else "FAILED" if failures else "FINISHED")
         if interrupt.requested():
             stopped = ", ".join(n for n, s in stages.items() if s["status"] == "failed") or "none"
-            raise interrupt.Interrupted(f"pipeline {cfg.name}: stopped by {interrupt.signal_name()}; stages not finished: "
-                                        f"{stopped}. Finished stages and uploaded checkpoints are kept: rerun the same "
-                                        "command to resume.")
+            stop = interrupt.Interrupted(f"pipeline {cfg.name}: stopped by {interrupt.cause()}; stages not finished: "
+                                         f"{stopped}. Finished stages and uploaded checkpoints are kept: rerun the "
+                                         "same command to resume.")
+            if interrupt.cancelled_through_prefect():
+                # once a run is Cancelling the server refuses every final state but Cancelled (it would stay
+                # Cancelling); a State returned by a flow becomes its final state, and `pipeline(...)` raises its data
+                return Cancelled(message=str(stop), data=stop)
+            raise stop
         if failures:
             raise StageFailed(failures, flow_run['id'] or None, bad_input=bad_input)
     except BaseException:  # never leave the parent RUNNING, whatever ended the run
