@@ -1,4 +1,4 @@
-"""`lmforge` command line: validate, plan, run, artifacts ls/show, gc.
+"""`lmforge` command line: validate, plan, run, artifacts ls/show, gc, stack.
 
 Exit codes: 0 success, 1 a stage failed, 2 bad config, bad data (found while planning or inside a stage, a damaged
 artifact too) or bad usage, 3 interrupted (SIGTERM/SIGINT, or the flow run cancelled through Prefect:
@@ -192,6 +192,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stack(args: argparse.Namespace) -> int:
+    from flows import stack
+
+    return stack.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmforge", description="Declarative LLM pipeline: corpus -> evaluated model.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -234,6 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
     gg.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
     gg.add_argument("-c", "--config", help="use the store of this pipeline config")
     g.set_defaults(fn=cmd_gc)
+    st = sub.add_parser("stack", help="a production-like stack on 127.0.0.1: SeaweedFS S3, MLflow on Postgres, "
+                                      "a Prefect server and a process worker")
+    stsub = st.add_subparsers(dest="stack_command", required=True)
+    for name, helptext in (("up", "start the stack (its data stays in --dir)"),
+                           ("down", "stop every server of the stack by its pid"),
+                           ("env", "print the environment that points lmforge at the stack: eval \"$(lmforge stack env)\""),
+                           ("status", "show the stack's servers")):
+        x = stsub.add_parser(name, help=helptext)
+        x.add_argument("--dir", default=".lmforge/stack", help="the stack's folder (default .lmforge/stack)")
+        if name == "up":
+            x.add_argument("--s3-port", type=int, help="S3 port (default 8333)")
+            x.add_argument("--mlflow-port", type=int, help="MLflow server port (default 5000)")
+            x.add_argument("--prefect-port", type=int, help="Prefect server port (default 4200)")
+            x.add_argument("--pool", default="lmforge", help="the process work pool the worker serves")
+        if name == "down":
+            x.add_argument("--purge", action="store_true", help="also delete the stack's data")
+        x.set_defaults(fn=cmd_stack)
     return p
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
@@ -94,7 +95,7 @@ class PipelineConfig(BaseModel):
 
     name: str = Field(pattern=NAME_RE, description="Pipeline name; also the MLflow experiment name.")
     store: str = Field("./artifacts", description="Artifact store: a local folder or an fsspec URL (s3://bucket/prefix).")
-    tracking: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI; relative sqlite paths resolve against the project root.")
+    tracking: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI; relative sqlite paths resolve against the project root. MLFLOW_TRACKING_URI in the environment takes precedence.")
     dask_address: str | None = Field(
         None, description="Run the stages as tasks on this Dask cluster through prefect-dask's DaskTaskRunner "
         "(e.g. tcp://127.0.0.1:8786); data stages then fan their partitions out over its workers. Unset: stages "
@@ -126,6 +127,10 @@ class PipelineConfig(BaseModel):
 
     @property
     def tracking_uri(self) -> str:
+        """MLFLOW_TRACKING_URI when set (a deployment's or `lmforge stack env`'s choice: the same config then logs
+        to the team's server), else `tracking:`."""
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return os.environ["MLFLOW_TRACKING_URI"]
         m = re.match(r"^sqlite:///(?!/)(.+)$", self.tracking)
         if m:  # sqlite:///rel/path.db -> absolute under the project root
             return f"sqlite:///{(self.root / m.group(1)).resolve()}"
