@@ -164,7 +164,7 @@ class DaskMapper(Mapper):
                         results.append(f.result(timeout=POLL_SECONDS))
                         break
                     except TimeoutError:
-                        if f.done():  # the task's own TimeoutError
+                        if f.status == "error":  # the task's own TimeoutError; else not done yet (or just done)
                             raise
                 progress.update()
         finally:
