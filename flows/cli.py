@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     gg.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
     gg.add_argument("-c", "--config", help="use the store of this pipeline config")
     g.set_defaults(fn=cmd_gc)
+    from flows.status import add_parsers
+
+    add_parsers(sub)  # deploy, status, rerun
     return p
 
 
