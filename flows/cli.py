@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "down":
             x.add_argument("--purge", action="store_true", help="also delete the stack's data")
         x.set_defaults(fn=cmd_stack)
+    from flows.status import add_parsers
+
+    add_parsers(sub)  # deploy, status, rerun
     return p
 
 

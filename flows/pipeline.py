@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.states import Cancelled  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
+from flows import flowrun  # noqa: E402
 from lmforge import gc, interrupt, preflight, provenance  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
 from lmforge.errors import ArtifactError, ConfigError, DataError, LmforgeError, StageFailed  # noqa: E402
@@ -40,7 +41,7 @@ from lmforge.stage import numeric_leaves  # noqa: E402
 from lmforge.tracking import Tracker  # noqa: E402
 from tasks import REGISTRY  # noqa: E402
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flows.pipeline")  # by name: a deployment loads this file as a module of another name
 MAX_PARALLEL_STAGES = int(os.environ.get("LMFORGE_MAX_PARALLEL_STAGES", "4"))
 #: how often a run against a Prefect server reads its flow run's state to see a cancellation (`prefect flow-run cancel`)
 CANCEL_POLL_SECONDS = float(os.environ.get("LMFORGE_CANCEL_POLL_SECONDS", "2"))
@@ -157,6 +158,7 @@ def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, st
     stages: dict[str, Any] = {}
     failures: dict[str, str] = {}
     bad_input: set[str] = set()  # failed on bad config or data (exit 2), not on a crash (exit 1)
+    roots: dict[str, list[str]] = {}  # a stage that did not run: the failed stages upstream of it
     for name, fut in futures.items():
         fut.wait()
         state = fut.state
@@ -169,9 +171,13 @@ def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, st
             if isinstance(exc, (ConfigError, DataError, ArtifactError)):
                 bad_input.add(name)
         else:
-            upstream = [i for i in cfg.stages[name].inputs if i in failures]
+            inputs = cfg.stages[name].inputs
+            roots[name] = flowrun.failed_roots(name, inputs, set(failures) - set(roots), roots)
+            upstream = [i for i in inputs if i in failures]
             failures[name] = f"not run: upstream {', '.join(upstream)} failed" if upstream else \
                 f"{state.name}: {state.message}"
+            if roots[name] and not state.is_final():  # Prefect leaves it Pending/NotReady: end it, named
+                flowrun.mark_not_run(fut, name, roots[name])
         stages[name] = {"stage": name, "status": "failed", "error": failures[name]}
     return stages, failures, bad_input
 
@@ -190,6 +196,8 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
     A run stopped by a signal raises `Interrupted`; one cancelled through Prefect ends Cancelled, and the call raises
     the same `Interrupted`."""
     setup_logging()
+    flowrun.send_logs_to_api()  # a worker's flow-run process configured Prefect's logging before importing us
+    config_path = flowrun.resolve_config_path(config_path)  # a deployment stores it relative to the project root
     cfg = load_config(config_path, REGISTRY, overrides or [])
     preflight.check_all(cfg.store_url, cfg.tracking_uri)  # a deployment run too: services first, each bounded
     plan = make_plan(cfg, REGISTRY, force or [], accept_code_change=accept_code_change or [])

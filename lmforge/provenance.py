@@ -15,16 +15,32 @@ LIBRARIES = ("lmforge", "prefect", "mlflow", "pydantic", "fsspec", "s3fs", "webd
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
-    """Commit of the lmforge checkout, with `-dirty` when it has uncommitted changes; `unknown` outside git."""
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """Commit of the lmforge checkout, with `-dirty` when it has uncommitted changes. Looked up where the code was
+    imported from, then in the working directory (a deployment's pull step moves there: the checkout it runs);
+    `$LMFORGE_GIT_COMMIT` when neither is a git checkout (an image built without .git); else `unknown`, and a
+    warning says why."""
+    import logging
+    import os
+
+    why = []
+    for where in dict.fromkeys((Path(__file__).resolve().parent, Path.cwd())):
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
+                                 timeout=10)
+            if sha.returncode != 0:
+                why.append(f"{where}: {sha.stderr.strip().splitlines()[-1] if sha.stderr.strip() else sha.returncode}")
+                continue
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return sha.stdout.strip() + ("-dirty" if dirty else "")
+        except (OSError, subprocess.SubprocessError) as e:
+            why.append(f"{where}: {type(e).__name__}: {e}")
+    if os.environ.get("LMFORGE_GIT_COMMIT"):
+        return os.environ["LMFORGE_GIT_COMMIT"]
+    logging.getLogger(__name__).warning(
+        "git commit unknown (%s); run from a git checkout, or set LMFORGE_GIT_COMMIT (e.g. in a Docker image)",
+        "; ".join(why))
+    return "unknown"
 
 
 @functools.lru_cache(maxsize=1)
