@@ -202,62 +202,75 @@ def _start_postgres(dir: Path) -> dict[str, Any]:
             "uri": f"postgresql+psycopg2://postgres:@/mlflow?host={pgdata}"}
 
 
+NAMES = ("s3", "prefect", "postgres", "mlflow", "worker")
+
+
 def up(dir: Path, ports: dict[str, int] | None = None, pool: str = "lmforge", timeout: float = 180.0) -> dict[str, Any]:
-    """Start the stack in `dir` (see the module doc); returns its state. Refuses when it is already up."""
+    """Start the stack in `dir` (see the module doc), or the servers of it that are down (one that crashed or was
+    killed comes back on its port, with its data); returns its state. Refuses when all are up."""
     dir = dir.resolve()
     dir.mkdir(parents=True, exist_ok=True)
     old = _read_state(dir)
-    running = [s["name"] for s in old.get("servers", []) if _alive(s.get("pid"))]
-    if running:
-        raise StackError(f"the stack in {dir} is already up ({', '.join(running)}); `lmforge stack down --dir {dir}` "
+    alive = {s["name"]: s for s in old.get("servers", []) if _alive(s.get("pid"))}
+    if set(alive) >= set(NAMES):
+        raise StackError(f"the stack in {dir} is already up ({', '.join(alive)}); `lmforge stack down --dir {dir}` "
                          "stops it")
+    if alive and ports and any(ports.get(k) not in (None, (old.get("ports") or {}).get(k)) for k in ports):
+        raise StackError(f"the stack in {dir} is partly up ({', '.join(alive)}) on ports {old['ports']}; stop it "
+                         "(`lmforge stack down`) to change ports")
     ports = {**DEFAULT_PORTS, **(old.get("ports") or {}), **(ports or {})}
-    taken = [f"{name} {p}" for name, p in ports.items() if not _free(p)]
+    own = {"s3": "s3", "mlflow": "mlflow", "prefect": "prefect"}
+    taken = [f"{name} {p}" for name, p in ports.items() if own[name] not in alive and not _free(p)]
     if taken:
         raise StackError(f"port(s) in use on 127.0.0.1: {', '.join(taken)}; free them or pick others "
                          "(--s3-port, --mlflow-port, --prefect-port)")
-    state = {"dir": str(dir), "ports": ports, "pool": pool, "servers": [],
+    state = {"dir": str(dir), "ports": ports, "pool": old.get("pool", pool) if alive else pool,
+             "servers": list(alive.values()),
              "access_key": old.get("access_key") or "LMF" + secrets.token_hex(8).upper(),
              "secret_key": old.get("secret_key") or secrets.token_urlsafe(30)}
+    pool = state["pool"]
     t0 = time.monotonic()
     deadline = t0 + timeout
     base = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     base.update({"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
     env = {**base, **environment(state)}
-    try:
-        s3 = _start_s3(dir, state, base)
-        state["servers"].append(s3)
-        prefect = _spawn(dir, "prefect", [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                          str(ports["prefect"])],
-                         {**base, "PREFECT_HOME": str(dir / "prefect")})
-        state["servers"].append(prefect)
+    started = []
+
+    def add(server: dict[str, Any]) -> dict[str, Any]:
+        state["servers"].append(server)
+        started.append(server["name"])
         _write_state(dir, state)
+        return server
+
+    try:
+        s3 = alive.get("s3") or add(_start_s3(dir, state, base))
+        prefect = alive.get("prefect") or add(_spawn(
+            dir, "prefect", [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                             str(ports["prefect"])], {**base, "PREFECT_HOME": str(dir / "prefect")}))
         with ThreadPoolExecutor(1) as pool_:  # Postgres starts while S3 and Prefect do
-            pg_future = pool_.submit(_start_postgres, dir)
+            pg_future = pool_.submit(_start_postgres, dir) if "postgres" not in alive else None
             _wait("SeaweedFS S3", lambda: _s3_ready(state), s3, deadline)
             _make_buckets(state)
-            pg = pg_future.result(timeout=max(1.0, deadline - time.monotonic()))
-        state["servers"].append(pg)
-        _write_state(dir, state)
-        mlflow = _spawn(dir, "mlflow", [_bin("mlflow"), "server", "--host", "127.0.0.1", "--port",
-                                        str(ports["mlflow"]), "--backend-store-uri", pg["uri"],
-                                        "--artifacts-destination", "s3://mlflow/", "--workers", "1"], env)
-        state["servers"].append(mlflow)
-        _write_state(dir, state)
+            pg = alive.get("postgres") or add(pg_future.result(timeout=max(1.0, deadline - time.monotonic())))
+        mlflow = alive.get("mlflow") or add(_spawn(
+            dir, "mlflow", [_bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(ports["mlflow"]),
+                            "--backend-store-uri", pg["uri"], "--artifacts-destination", "s3://mlflow/",
+                            "--workers", "1"], env))
         api = f"http://127.0.0.1:{ports['prefect']}/api"
         _wait("the Prefect server", lambda: _get(f"{api}/health") == 200, prefect, deadline)
-        worker = _spawn(dir, "worker", [_bin("prefect"), "worker", "start", "--pool", pool, "--type", "process"],
-                        {**env, "PREFECT_HOME": str(dir / "prefect-worker")})
-        state["servers"].append(worker)
-        _write_state(dir, state)
+        worker = alive.get("worker") or add(_spawn(
+            dir, "worker", [_bin("prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+            {**env, "PREFECT_HOME": str(dir / "prefect-worker")}))
         _wait("the MLflow server", lambda: _get(f"http://127.0.0.1:{ports['mlflow']}/health") == 200, mlflow,
               deadline)
-        _wait(f"the Prefect worker (pool {pool})",
-              lambda: _get(f"{api}/work_pools/{pool}") == 200, worker, deadline)
+        _wait(f"the Prefect worker (pool {pool})", lambda: _get(f"{api}/work_pools/{pool}") == 200, worker, deadline)
     except BaseException:
         _write_state(dir, state)
-        down(dir)
+        if not alive:
+            down(dir)
         raise
+    state["servers"].sort(key=lambda s: NAMES.index(s["name"]))
+    state["started"] = started
     state["started_seconds"] = round(time.monotonic() - t0, 1)
     _write_state(dir, state)
     return state
@@ -330,7 +343,7 @@ def main(args) -> int:
                                    "prefect": args.prefect_port}.items() if v}
         state = up(dir, ports, pool=args.pool)
         env = environment(state)
-        print(f"stack up in {state['started_seconds']} s ({state['dir']}):")
+        print(f"stack up in {state['started_seconds']} s ({state['dir']}; started: {', '.join(state['started'])}):")
         print(f"  S3 (SeaweedFS)  {env['AWS_ENDPOINT_URL']}  buckets {', '.join(BUCKETS)}")
         print(f"  MLflow          {env['MLFLOW_TRACKING_URI']}  (Postgres backend, artifacts in s3://mlflow)")
         print(f"  Prefect         http://127.0.0.1:{state['ports']['prefect']}  (work pool {state['pool']}, one "

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
+from pathlib import Path
 
 import boto3
 import psutil
@@ -98,6 +102,20 @@ def test_stack_up_run_against_it_and_down(tmp_path):
         assert [(f["id"], f["state_type"]) for f in flow_run] == [(summary["flow_run_id"], "COMPLETED")]
         with urllib.request.urlopen(f"{env['PREFECT_API_URL']}/work_pools/lmforge") as r:
             assert json.load(r)["type"] == "process"
+
+        # a cached rerun's parent carries the same metric keys as the fresh run's (the compare view has no blanks)
+        again = _lmforge("run", "p.yaml", "--json", "again.json", cwd=tmp_path, env=run_env)
+        assert again.returncode == 0, again.stderr[-3000:]
+        cached = json.loads((tmp_path / "again.json").read_text())
+        assert cached["cached"] == 2 and cached["ran"] == 0
+        keys = {rid: {m["key"] for m in _post(f"{mlflow}/api/2.0/mlflow/runs/search",
+                                              {"experiment_ids": [exp], "filter": f"attributes.run_id = '{rid}'"}
+                                              )["runs"][0]["data"].get("metrics", [])}
+                for rid in (summary["mlflow_run_id"], cached["mlflow_run_id"])}
+        assert keys[summary["mlflow_run_id"]] == keys[cached["mlflow_run_id"]] != set()
+
+        _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3)
+        _s3_killed_mid_run_and_restarted(tmp_path, stack, state, run_env, s3)
     finally:
         down = _lmforge("stack", "down", "--dir", str(stack), cwd=tmp_path)
     assert down.returncode == 0, down.stderr
@@ -108,3 +126,83 @@ def test_stack_up_run_against_it_and_down(tmp_path):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", p))  # free again (nothing listens; a closed connection may be in TIME_WAIT)
+
+
+def _wait_flow_run(api: str, flow_run_id: str, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{api}/flow_runs/{flow_run_id}") as r:
+            fr = json.load(r)
+        if fr["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return fr
+        time.sleep(1)
+    raise AssertionError(f"flow run {flow_run_id} did not finish in {timeout} s: {fr['state_type']}")
+
+
+def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
+    """`lmforge deploy`, `prefect deployment run`: the stack's long-running process worker picks the run up; its
+    artifacts land in S3 and its MLflow runs on the MLflow server, like a CLI run's."""
+    write_jsonl(tmp_path / "data" / "d.jsonl", text_rows(30, prefix="deployed"))
+    cfg = {"name": "stkdeploy", "store": "s3://lmforge/stkdeploy",
+           "datasets": {"d": {"path": "data/d.jsonl", "kind": "text"}},
+           "stages": {"ingest": {"kind": "ingest", "inputs": ["d"]},
+                      "shard": {"kind": "shard", "inputs": ["ingest"], "max_count": 20}}}
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(cfg))
+    dep = _lmforge("deploy", "d.yaml", "--name", "d", "--pool", "lmforge", "--no-schedule", cwd=tmp_path,
+                   env=run_env)
+    assert dep.returncode == 0, dep.stdout + dep.stderr
+    trig = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "lmforge-pipeline/d"], cwd=tmp_path,
+                          env={**run_env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert trig.returncode == 0, trig.stdout + trig.stderr
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", trig.stdout).group(1)
+    fr = _wait_flow_run(env["PREFECT_API_URL"], flow_run_id)
+    assert fr["state_type"] == "COMPLETED", fr["state"]
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="lmforge", Prefix="stkdeploy/").get("Contents", [])}
+    assert sum(k.endswith("/manifest.json") for k in keys) == 2, keys
+    mlflow = env["MLFLOW_TRACKING_URI"]
+    with urllib.request.urlopen(f"{mlflow}/api/2.0/mlflow/experiments/get-by-name?experiment_name=stkdeploy") as r:
+        exp = json.load(r)["experiment"]["experiment_id"]
+    runs = _post(f"{mlflow}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp]})["runs"]
+    tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
+    parent = [t for t in tags if t.get("prefect.flow_run_id") == flow_run_id and "lmforge.pipeline" in t]
+    assert len(parent) == 1 and parent[0]["lmforge.config_path"] == str(tmp_path / "d.yaml")
+    assert sorted(t.get("mlflow.runName") for t in tags if "mlflow.parentRunId" in t) == ["ingest", "shard"]
+
+
+def _s3_killed_mid_run_and_restarted(tmp_path, stack, state, run_env, s3) -> None:
+    """The S3 server dies while a run uploads (kill -9 of its process group) and comes back (`lmforge stack up`
+    starts only what is down): the stages' retries complete the run, and nothing in the bucket is half-visible or
+    corrupt."""
+    from lmforge.store import ArtifactStore
+
+    write_jsonl(tmp_path / "data" / "k.jsonl", text_rows(3000, prefix="killed"))
+    cfg = {"name": "stkkill", "store": "s3://lmforge/stkkill",
+           "datasets": {"k": {"path": "data/k.jsonl", "kind": "text"}},
+           "stages": {"ingest": {"kind": "ingest", "inputs": ["k"], "retries": 3, "retry_delay_seconds": 5},
+                      "shard": {"kind": "shard", "inputs": ["ingest"], "max_count": 100, "retries": 3,
+                                "retry_delay_seconds": 5}}}
+    (tmp_path / "k.yaml").write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "kill.log"
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "k.yaml", "--json", "k.json"], cwd=tmp_path,
+                            env={**run_env, "PYTHONPATH": str(REPO)}, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    staging = Path(os.environ["LMFORGE_WORK_DIR"]) / "lmforge-staging"
+    deadline = time.monotonic() + 180
+    while not list(staging.glob("shard-*/out/*")) and time.monotonic() < deadline:  # shard is writing its tars
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.02)
+    s3_pid = next(s["pid"] for s in state["servers"] if s["name"] == "s3")
+    os.killpg(s3_pid, signal.SIGKILL)
+    time.sleep(8)  # the upload fails while it is down
+    back = _lmforge("stack", "up", "--dir", str(stack), cwd=tmp_path)
+    assert back.returncode == 0 and "started: s3)" in back.stdout, back.stdout + back.stderr
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    out = log.read_text()
+    print("S3 outage during shard:", "a stage retried" if "Retry" in out else "s3fs's own retries sufficed")
+    store = ArtifactStore("s3://lmforge/stkkill")
+    for art in store.list():
+        art.verify()
+    dirs = {k.split("/")[1] + "/" + k.split("/")[2] for o in s3.list_objects_v2(Bucket="lmforge",
+            Prefix="stkkill/").get("Contents", []) for k in [o["Key"]] if not k.split("/")[1].startswith("_")}
+    assert dirs == {f"{a.kind}/{a.id}" for a in store.list()}  # every folder in the bucket is a finished artifact
+    assert len(dirs) == 2
