@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 from uuid import UUID
 
@@ -31,13 +32,12 @@ from prefect.states import Cancelled  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
 from flows import flowrun  # noqa: E402
-from lmforge import gc, interrupt, preflight, provenance  # noqa: E402
+from lmforge import gc, interrupt, preflight, provenance, runview  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
 from lmforge.errors import ArtifactError, ConfigError, DataError, LmforgeError, StageFailed  # noqa: E402
 from lmforge.executor import RunContext, execute_stage  # noqa: E402
 from lmforge.log import setup_logging  # noqa: E402
 from lmforge.plan import make_plan  # noqa: E402
-from lmforge.stage import numeric_leaves  # noqa: E402
 from lmforge.tracking import Tracker  # noqa: E402
 from tasks import REGISTRY  # noqa: E402
 
@@ -210,7 +210,8 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
     tracker = Tracker(cfg.tracking_uri, cfg.name)
     for run_id in tracker.end_runs_of_dead_processes():
         log.warning("MLflow run %s was left RUNNING by a process that died (kill -9?); marked KILLED", run_id)
-    parent = tracker.start_run(f"{cfg.name}-{flow_run['name'] or 'local'}", {
+    started = time.monotonic()
+    parent = runview.start_parent(tracker, plan, flow_run["id"], {
         "lmforge.pipeline": cfg.name,
         "prefect.flow_run_id": flow_run["id"],
         "prefect.flow_run_name": flow_run["name"],
@@ -222,9 +223,9 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
         **{f"lmforge.env.{k}": v for k, v in provenance.environment().items()},
         "lmforge.forced": ",".join(force or []),
         "lmforge.accept_code_change": ",".join(accept_code_change or []),
+        "lmforge.deployment": str(runtime.deployment.name or ""),
     })
     try:
-        tracker.log_params(parent, {n: sp.settings for n, sp in plan.stages.items()})
         tracker.log_text(parent, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config.yaml")
         ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker, parent_run_id=parent, flow_run=flow_run)
 
@@ -259,12 +260,9 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
             "failed": len(failures),
             "stages": stages,
         }
-        metrics = {"stages_ran": summary["ran"], "stages_cached": summary["cached"], "stages_failed": summary["failed"]}
-        for name, s in stages.items():
-            art = plan.store.get(plan.stages[name].kind, plan.stages[name].artifact_id)
-            if art is not None and (s["status"] != "failed" or art.manifest.get("failure")):  # incl. failed gates
-                metrics.update({f"{name}/{k}": v for k, v in numeric_leaves(art.result).items()})
-        tracker.log_metrics(parent, metrics)
+        counts = {"stages_ran": summary["ran"], "stages_cached": summary["cached"], "stages_failed": summary["failed"]}
+        runview.finish_parent(tracker, parent, plan, stages, counts, time.monotonic() - started,
+                              promote=not failures and not interrupt.requested())
         tracker.end_run(parent, "KILLED" if interrupt.requested() else "FAILED" if failures else "FINISHED")
         if interrupt.requested():
             stopped = ", ".join(n for n, s in stages.items() if s["status"] == "failed") or "none"

@@ -8,7 +8,6 @@ import functools
 import logging
 import os
 import platform
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -20,7 +19,7 @@ from lmforge.lease import Lease, LeaseLost
 from lmforge.plan import Plan, StagePlan
 from lmforge.stage import StageDef, StageRuntime, numeric_leaves
 from lmforge.store import Artifact, _now
-from lmforge.tracking import Tracker
+from lmforge.tracking import Tracker, registered_model_name
 
 log = logging.getLogger(__name__)
 
@@ -75,28 +74,71 @@ def _input_entry(ctx: RunContext, name: str) -> dict[str, Any]:
     return {"name": name, "type": "artifact", "kind": sp.kind, "artifact_id": sp.artifact_id, "uri": sp.uri}
 
 
-def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: str | None) -> None:
-    """A model artifact becomes a version of the registered model named after the pipeline, tagged with its
-    lineage, and the alias `<stage>` points at it (`models:/<pipeline>@<stage>`). The version's source is the
-    artifact in the store: the weights are not copied. Idempotent: a cached rerun moves the alias only."""
+def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: str | None, ran: bool) -> None:
+    """A model artifact becomes a version of the registered model `<pipeline>-<stage>`, whose source is the artifact
+    in the store (the weights are not copied). Alias `@candidate` points at it when the stage made it (`ran`); a
+    cached stage sets it only where the model has none yet, so a rerun of an older config never moves it back.
+    `@champion` is moved by the flow, at the end of a run whose eval gates passed (`runview.promote_champions`)."""
     if ctx.tracker is None or sp.port is None or sp.port.type != "model":
         return
     result = artifact.result or {}
-    tags = {**_stage_tags(ctx, sp), "lmforge.pipeline": ctx.plan.cfg.name,
-            "lmforge.config_hash": ctx.plan.cfg.config_hash(), "lmforge.model_kind": sp.port.data_kind or "policy",
-            "lmforge.method": sp.settings.get("method", ""), "lmforge.base_model": result.get("base_model", ""),
-            "lmforge.source_run_id": artifact.manifest.get("produced_by", {}).get("mlflow_run_id", "") or "",
-            "lmforge.git_commit": artifact.manifest.get("git_commit", "") or ""}
-    alias = sp.name if not re.fullmatch(r"(?i)latest|v\d+", sp.name) else f"stage-{sp.name}"
+    cfg = ctx.plan.cfg
+    name = registered_model_name(cfg.name, sp.name)
+    tags = {"lmforge.artifact_id": sp.artifact_id, "lmforge.artifact_uri": artifact.uri,
+            "lmforge.pipeline": cfg.name, "lmforge.stage": sp.name, "lmforge.method": sp.settings.get("method", ""),
+            "lmforge.git_commit": artifact.manifest.get("git_commit", "") or "",
+            "lmforge.source_run_id": artifact.manifest.get("produced_by", {}).get("mlflow_run_id", "") or ""}
+    description = (f"{sp.port.data_kind or 'policy'} model made by the {sp.kind} stage '{sp.name}' of pipeline "
+                   f"'{cfg.name}': method {sp.settings.get('method') or sp.kind}, base {_describe_base(sp, result)}, "
+                   f"inputs {', '.join(sp.inputs) or '-'}. Each version is one artifact in the store; @candidate "
+                   "is the newest one a run made, @champion the newest one whose run passed its eval gates.")
     try:
-        version = ctx.tracker.register_model(ctx.plan.cfg.name, artifact.uri, run_id, tags, alias,
-                                             description=f"{sp.kind} stage {sp.name}: {artifact.uri}")
+        version = ctx.tracker.register_model(name, artifact.uri, run_id, tags, description=description)
+        if ran or ctx.tracker.alias_version(name, "candidate") is None:
+            ctx.tracker.set_alias(name, "candidate", version)
     except Exception as e:  # noqa: BLE001  the artifact is stored; the registry is a view of it
         log.warning("stage %s: could not register the model in MLflow: %s", sp.name, str(e).splitlines()[0])
         return
     if run_id:
-        ctx.tracker.set_tags(run_id, {"lmforge.registered_model": f"{ctx.plan.cfg.name}/{version}"})
-    log.info("stage %s: registered as model %s version %s (alias @%s)", sp.name, ctx.plan.cfg.name, version, alias)
+        ctx.tracker.set_tags(run_id, {"lmforge.registered_model": f"{name}/{version}"})
+    log.info("stage %s: registered as model %s version %s", sp.name, name, version)
+
+
+def _describe_base(sp: StagePlan, result: dict[str, Any]) -> str:
+    """The model a training stage starts from, in a few words: a hub id, a package GGUF, a folder, or a config."""
+    base = sp.settings.get("base_model")
+    if isinstance(base, dict):
+        if base.get("hub"):
+            return base["hub"] + (f"@{base['revision']}" if base.get("revision") else "")
+        if base.get("package"):
+            return f"{base['package']}/{base.get('file') or ''}"
+        if base.get("path"):
+            return str(base["path"])
+        if base.get("config"):
+            return f"a new {base['config'].get('model_type', '')} model from a config".replace("  ", " ")
+    return str(result.get("base_model") or base or "an earlier stage's model (see inputs)")
+
+
+def _earlier_child(ctx: RunContext, name: str) -> Any | None:
+    """This stage's child run from an earlier attempt in the same Prefect flow run (a task retry, `prefect flow-run
+    retry`, which continues the flow run's parent), if any."""
+    if ctx.tracker is None or not ctx.flow_run.get("id") or not ctx.parent_run_id:
+        return None
+    found = ctx.tracker.find_runs(f"tags.mlflow.parentRunId = '{ctx.parent_run_id}' and "
+                                  f"tags.`lmforge.stage` = '{name}'", 1)
+    return found[0] if found else None
+
+
+def _start_stage_run(ctx: RunContext, name: str, tags: dict[str, str]) -> tuple[str, bool]:
+    """The stage's child run: (run id, reused). Within one Prefect flow run a stage has one child, whatever the
+    number of attempts: an earlier attempt's child is reopened."""
+    earlier = _earlier_child(ctx, name)
+    if earlier is None:
+        return ctx.tracker.start_run(name, {**tags, "lmforge.attempt": "1"}, ctx.parent_run_id), False
+    attempt = int(earlier.data.tags.get("lmforge.attempt", "1")) + 1
+    ctx.tracker.reopen_run(earlier.info.run_id, {**tags, "lmforge.attempt": attempt},
+                           drop_tags=("lmforge.error", "lmforge.source_run_id", "mlflow.note.content"))
+    return earlier.info.run_id, True
 
 
 def _load_inputs(ctx: RunContext, sp: StagePlan) -> list[DatasetInput | Artifact]:
@@ -114,20 +156,25 @@ def _cached(ctx: RunContext, name: str, existing: Artifact) -> dict[str, Any]:
     """A stage whose artifact exists: a child run marked cached and linked to the run that made it."""
     plan, store, tr = ctx.plan, ctx.plan.store, ctx.tracker
     sp = plan.stages[name]
-    run_id = None
+    run_id, kept = None, False
     if tr:
         source = existing.manifest.get("produced_by", {}).get("mlflow_run_id", "")
-        run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "true", "lmforge.source_run_id": source,
-                                     "mlflow.note.content": f"Cached: artifact made by run {source}"},
-                              ctx.parent_run_id)
-        tr.log_params(run_id, sp.settings)
-        tr.log_metrics(run_id, numeric_leaves(existing.result))
+        earlier = _earlier_child(ctx, name)
+        if earlier is not None and earlier.info.run_id == source:  # an earlier attempt of this flow run made it
+            run_id, kept = source, True  # its child run stays as that attempt left it
+        else:
+            run_id, reused = _start_stage_run(ctx, name, {**_stage_tags(ctx, sp), "cached": "true",
+                                                          "lmforge.source_run_id": source,
+                                                          "mlflow.note.content": f"Cached: artifact made by run {source}"})
+            tr.log_params(run_id, sp.settings, new_only=reused)
+            tr.log_metrics(run_id, numeric_leaves(existing.result))
     if sp.accepted:
         _use_accepted(ctx, sp, run_id)
     if tr:
         if not existing.manifest.get("failure"):
-            _register_model(ctx, sp, existing, run_id)
-        tr.end_run(run_id, "FAILED" if existing.manifest.get("failure") else "FINISHED")
+            _register_model(ctx, sp, existing, run_id, ran=kept)
+        if not kept:
+            tr.end_run(run_id, "FAILED" if existing.manifest.get("failure") else "FINISHED")
     store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
     if existing.manifest.get("failure"):
         raise FailedAfterPublish(f"{existing.manifest['failure']} (cached artifact {sp.uri})", existing.result)
@@ -173,10 +220,10 @@ def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
     if existing is not None and not sp.forced:  # published between the plan and the lease
         return _cached(ctx, name, existing)
     sdef = ctx.kinds[sp.kind]
-    run_id = tr.start_run(name, {**_stage_tags(ctx, sp), "cached": "false"}, ctx.parent_run_id) if tr else None
+    run_id, reused = _start_stage_run(ctx, name, {**_stage_tags(ctx, sp), "cached": "false"}) if tr else (None, False)
     try:
         if tr:
-            tr.log_params(run_id, sp.settings)
+            tr.log_params(run_id, sp.settings, new_only=reused)
         log.info("stage %s: running %s (%s)", name, sp.uri, sp.reason)
         inputs = _load_inputs(ctx, sp)
         if sp.forced and "history_stamp" not in sp.extra:  # once per run: a Prefect retry resumes this attempt's work
@@ -229,7 +276,7 @@ def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
         if tr:
             tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
             if failure is None:
-                _register_model(ctx, sp, artifact, run_id)
+                _register_model(ctx, sp, artifact, run_id, ran=True)
                 tr.end_run(run_id)
         if failure is not None:
             raise failure

@@ -115,6 +115,11 @@ def _process_tags() -> dict[str, str]:
             "lmforge.pid_started": f"{started:.3f}" if started else ""}
 
 
+def registered_model_name(pipeline: str, stage: str) -> str:
+    """One registered model per trained stage: `<pipeline>-<stage>` (`models:/demo-sft@champion`)."""
+    return f"{pipeline}-{stage}"
+
+
 class Tracker:
     def __init__(self, uri: str, experiment: str):
         from mlflow.tracking import MlflowClient  # heavy import, paid only when tracking is used
@@ -154,12 +159,16 @@ class Tracker:
             run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
             return run.info.run_id
 
-    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+    def log_params(self, run_id: str, params: dict[str, Any], new_only: bool = False) -> None:
+        """`new_only`: skip names the run already has (a run reopened by a retry: MLflow refuses to change a param)."""
         with self.lock:
             from mlflow.entities import Param
 
-            flat = flatten(params)
-            items = [Param(k[:250], v) for k, v in sorted(flat.items())]
+            flat = {k[:250]: v for k, v in flatten(params).items()}
+            if new_only:
+                have = self.client.get_run(run_id).data.params
+                flat = {k: v for k, v in flat.items() if k not in have}
+            items = [Param(k, v) for k, v in sorted(flat.items())]
             for i in range(0, len(items), 100):
                 self.client.log_batch(run_id, params=items[i:i + 100], synchronous=True)
 
@@ -185,29 +194,74 @@ class Tracker:
         with self.lock:
             self.client.log_text(run_id, redact(text), path)
 
-    def register_model(self, name: str, source: str, run_id: str | None, tags: dict[str, Any], alias: str,
+    def find_runs(self, filter_string: str, max_results: int = 100) -> list[Any]:
+        """Runs of this experiment, newest first."""
+        with self.lock:
+            return self.client.search_runs([self.experiment_id], filter_string, max_results=max_results,
+                                           order_by=["attributes.start_time DESC"])
+
+    def reopen_run(self, run_id: str, tags: dict[str, Any], drop_tags: tuple[str, ...] = ()) -> None:
+        """A run continued by a retry: RUNNING again, owned by this process, with `tags` set and `drop_tags` gone."""
+        with self.lock:
+            have = self.client.get_run(run_id).data.tags
+            for k in drop_tags:
+                if k in have:
+                    self.client.delete_tag(run_id, k)
+            self.client.update_run(run_id, status="RUNNING")
+            self.set_tags(run_id, {**tags, **_process_tags()})
+
+    def log_file(self, run_id: str, local_path: str, artifact_dir: str) -> None:
+        with self.lock:
+            self.client.log_artifact(run_id, local_path, artifact_dir)
+
+    def register_model(self, name: str, source: str, run_id: str | None, tags: dict[str, Any],
                        description: str = "") -> str:
         """A version of registered model `name` for the artifact at `source` (once: a version with the same
-        lmforge.artifact_id is reused), with lineage tags, and `alias` pointing at it. Returns the version."""
+        lmforge.artifact_id and source is reused), with `tags`. The model's description is kept up to date.
+        Returns the version; aliases are the caller's (`set_alias`)."""
         from mlflow.exceptions import MlflowException
 
         with self.lock:
             tags = {k: redact(str(v))[:MAX_PARAM] for k, v in tags.items()}
+            model_tags = {k: tags[k] for k in ("lmforge.pipeline", "lmforge.stage") if k in tags}
             try:
-                self.client.create_registered_model(name, tags={"lmforge.pipeline": name}, description=description)
+                self.client.create_registered_model(name, tags=model_tags, description=description)
             except MlflowException as e:
                 if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
                     raise
-            artifact_id = tags.get("lmforge.artifact_id", "")
-            found = [v for v in self.client.search_model_versions(f"name='{name}'")
-                     if v.tags.get("lmforge.artifact_id") == artifact_id and v.source == source]
-            if found:
-                version = found[0].version
-            else:
+                if self.client.get_registered_model(name).description != description:
+                    self.client.update_registered_model(name, description=description)
+            version = self.model_version(name, tags.get("lmforge.artifact_id", ""), source)
+            if version is None:
                 version = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags,
                                                            description=description).version
-            self.client.set_registered_model_alias(name, alias, str(version))
             return str(version)
+
+    def model_version(self, name: str, artifact_id: str, source: str | None = None) -> str | None:
+        """The version of registered model `name` made from artifact `artifact_id` (at `source`), if any."""
+        from mlflow.exceptions import MlflowException
+
+        with self.lock:
+            try:
+                versions = self.client.search_model_versions(f"name='{name}'")
+            except MlflowException:
+                return None
+            found = [v for v in versions if v.tags.get("lmforge.artifact_id") == artifact_id
+                     and (source is None or v.source == source)]
+            return str(found[0].version) if found else None
+
+    def alias_version(self, name: str, alias: str) -> str | None:
+        from mlflow.exceptions import MlflowException
+
+        with self.lock:
+            try:
+                return str(self.client.get_model_version_by_alias(name, alias).version)
+            except MlflowException:
+                return None
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        with self.lock:
+            self.client.set_registered_model_alias(name, alias, str(version))
 
     def end_runs_of_dead_processes(self) -> list[str]:
         """Runs left RUNNING by a process that died without ending them (kill -9, the OOM killer, a lost node): on

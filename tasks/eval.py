@@ -14,8 +14,8 @@ Metric paths are `<model>/<task>/<metric>`, e.g. `sft/local_ppl/bits_per_byte` o
 `<metric>_stderr` sits beside a metric that has one. Direction: lm-eval's `higher_is_better` for its tasks;
 for lmforge's own, token_perplexity and bits_per_byte are lower-is-better, accuracy and reward_margin
 higher-is-better. The Result carries `eval: {model: {task: {metric: value}}}`, so MLflow gets
-`eval/<model>/<task>/<metric>` on the stage's run (and `<stage>/eval/...` on the pipeline run through the
-flow); the stage also logs `eval/<model>/<task>/<metric>` on the pipeline run itself.
+`eval/<model>/<task>/<metric>` on the stage's run; the flow puts them on the pipeline run as
+`summary/<model>/<task>/<metric>` (lmforge/runview.py).
 
 Gates (`gates:`) compare one metric of one model against another model. A failing gate fails the stage
 with `FailedAfterPublish`, raised after every file and MLflow record is written, so the artifact can be
@@ -46,7 +46,7 @@ from lmforge.config import StageConfig
 from lmforge.errors import ArtifactError, DataError, FailedAfterPublish
 from lmforge.records import iter_records
 from lmforge.shards import iter_samples
-from lmforge.stage import Input, Port, Result, StageDef, StageRuntime, numeric_leaves
+from lmforge.stage import Input, Port, Result, StageDef, StageRuntime
 from lmforge.store import Artifact, folder_fingerprint, sha256_file
 from trainer import evaluate as ev
 
@@ -649,18 +649,15 @@ def _bar_chart(path: Path, scores: dict[str, dict[str, dict[str, float]]], main:
 
 
 def log_to_mlflow(runtime: StageRuntime | None, result: EvalResult, out: Path) -> None:
-    """`eval/<model>/<task>/<metric>` on the pipeline's run (the parent of this stage's run), and the
-    reports on this stage's run. The Result's metrics reach the stage's run through the executor, which
-    logs them after publishing, also when gates fail (FailedAfterPublish)."""
+    """The reports on this stage's run. The Result's metrics reach the stage's run through the executor, which
+    logs them after publishing, also when gates fail (FailedAfterPublish); the pipeline's run gets them as
+    `summary/<model>/<task>/<metric>` from the flow, read from the artifact, so a cached run has them too."""
     if runtime is None or not runtime.tracking_uri or not runtime.mlflow_run_id:
         return
     from lmforge.tracking import Tracker
 
     tr = Tracker(runtime.tracking_uri, runtime.pipeline)
     run_id = runtime.mlflow_run_id
-    parent = tr.client.get_run(run_id).data.tags.get("mlflow.parentRunId")
-    if parent:
-        tr.log_metrics(parent, numeric_leaves({"eval": result.eval}))
     for name in ("comparison.md", "comparison.html", "control_generations.md"):
         if (out / name).exists():
             tr.log_text(run_id, (out / name).read_text(encoding="utf-8"), f"eval/{name}")

@@ -430,22 +430,20 @@ def test_training_metrics_land_on_the_stages_mlflow_run(root, kinds_module):
     assert table["after"] == generations.generate(model, tok, prompts, 6)
     md = client.download_artifacts(run_id, "generations/control.md", str(root / "gen-md"))
     assert "| What is 2 plus 3? |" in Path(md).read_text()
-    # the model registry: a version of the model named after the pipeline, source = the artifact, lineage tags
+    # the model registry: model <pipeline>-<stage>, a version per artifact (source = the artifact), @candidate
     art = artifact(plan, "tracked")
-    version = client.get_model_version_by_alias("train", "tracked")
+    version = client.get_model_version_by_alias("train-tracked", "candidate")
     assert version.source == art.uri and version.run_id == run_id
-    assert run.data.tags["lmforge.registered_model"] == f"train/{version.version}"
+    assert run.data.tags["lmforge.registered_model"] == f"train-tracked/{version.version}"
     tags = version.tags
-    assert (tags["lmforge.stage"], tags["lmforge.stage_kind"], tags["lmforge.artifact_id"]) == ("tracked", "sft", art.id)
-    assert tags["lmforge.inputs"] == ",".join(f"{n}={plan.stages[n].artifact_id}" for n in ("shard", "tokenizer"))
-    assert (tags["lmforge.method"], tags["lmforge.model_kind"], tags["lmforge.source_run_id"]) == ("lora", "policy",
-                                                                                                    run_id)
+    assert (tags["lmforge.stage"], tags["lmforge.pipeline"], tags["lmforge.artifact_id"]) == ("tracked", "train", art.id)
+    assert (tags["lmforge.method"], tags["lmforge.source_run_id"]) == ("lora", run_id)
     # the prompts are run-only: changing them reuses the artifact; the cached rerun adds no model version
     plan2, out2 = run_stages(root, kinds_module, {"tracked": {**stage, "control_prompts": []}}, ["tracked"],
                              tracker=tracker)
     assert plan2.stages["tracked"].artifact_id == art.id and out2["tracked"]["status"] == "cached"
-    assert len(client.search_model_versions("name='train'")) == 1
-    assert client.get_model_version_by_alias("train", "tracked").version == version.version
+    assert len(client.search_model_versions("name='train-tracked'")) == 1
+    assert client.get_model_version_by_alias("train-tracked", "candidate").version == version.version
 
 
 # ----------------------------------------------------------------------------------------------
