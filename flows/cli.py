@@ -217,6 +217,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
+    g.add_argument("-c", "--config", help="use the store of this pipeline config")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmforge", description="Declarative LLM pipeline: corpus -> evaluated model.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -241,9 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             x.add_argument("id", help="artifact id or a unique prefix of it")
             x.add_argument("--json", action="store_true", help="print the raw manifest")
-        g = x.add_mutually_exclusive_group()
-        g.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
-        g.add_argument("-c", "--config", help="use the store of this pipeline config")
+        _add_store_args(x)
         x.set_defaults(fn=fn)
     g = sub.add_parser("gc", help="remove leftovers of killed runs, checkpoints of finished artifacts and, "
                                   "optionally, artifacts no pipeline refers to; reports the bytes freed")
@@ -255,9 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "input of one that is")
     g.add_argument("--caches", action="store_true", help="also empty the local model cache (lmforge-models/)")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
-    gg = g.add_mutually_exclusive_group()
-    gg.add_argument("--store", help="store URL (default: $LMFORGE_STORE or ./artifacts)")
-    gg.add_argument("-c", "--config", help="use the store of this pipeline config")
+    _add_store_args(g)
     g.set_defaults(fn=cmd_gc)
     st = sub.add_parser("stack", help="a production-like stack on 127.0.0.1: SeaweedFS S3, MLflow on Postgres, "
                                       "a Prefect server and a process worker")

@@ -5,6 +5,7 @@ and its database live in a temp folder and nothing reaches a model or dataset hu
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -103,28 +104,39 @@ def _stop_prefect_ephemeral_server():
                 server.stop()
 
 
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """A real SeaweedFS S3 server on 127.0.0.1 with bucket `lmforge-test`; AWS_* env set while it runs."""
+@contextlib.contextmanager
+def aws_environment(env: dict[str, str]):
+    """`env`'s AWS_* variables set in this process while inside (s3fs takes endpoint and keys from them), and
+    s3fs's cached filesystems dropped on the way in and out (a cached one keeps another server's endpoint)."""
     import s3fs
 
-    from tests.s3server import S3Server
-
-    server = S3Server(tmp_path_factory.mktemp("s3")).start()
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
+    keys = [k for k in env if k.startswith("AWS_")]
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: env[k] for k in keys})
     s3fs.S3FileSystem.clear_instance_cache()
-    server.make_bucket("lmforge-test")
     try:
-        yield server
+        yield
     finally:
-        server.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real SeaweedFS S3 server on 127.0.0.1 with bucket `lmforge-test`; AWS_* env set while it runs."""
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    try:
+        with aws_environment(server.env()):
+            server.make_bucket("lmforge-test")
+            yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -139,3 +151,51 @@ def short_demo_runs(tmp_path_factory):
     for d, p in procs:
         assert p.wait(timeout=1200) == 0, (d / "log.txt").read_text()[-4000:]
     return [(d, short_demo.summary(d)) for d, _ in procs]
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` on a free port of 127.0.0.1 with its own PREFECT_HOME and sqlite database, shared by
+    the tests that need a real server (cancellation, deployments): it takes 30-60 s to start on a loaded 2-core
+    machine. Yields its API URL; stopped by its PID, with whatever it started."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import psutil
+
+    from trainer.launch import free_port
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    log = home / "server.log"
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "DO_NOT_TRACK": "1", "PREFECT_SERVER_UI_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 180  # ~10 s on an idle 2-core machine, far more under load
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.read() == b"true":
+                        break
+            except OSError:
+                time.sleep(0.5)
+        yield url
+    finally:  # by its pid: the server and whatever it started
+        if proc.poll() is None:
+            children = psutil.Process(proc.pid).children(recursive=True)
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for p in psutil.wait_procs(children, timeout=10)[1]:
+                p.kill()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -26,45 +25,10 @@ STAGES = ["ingest", "shard", "ingest_pairs", "shard_pairs"]
 BAD_PAIRS = ["datasets.pairs.path=data/pairs_bad.jsonl"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`prefect server start` on a free port of 127.0.0.1 with its own PREFECT_HOME; stopped by its PID."""
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-    env.pop("PREFECT_API_URL", None)
-    with open(home / "server.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                 "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if json.load(r) is True:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (home / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "Prefect server not healthy after 180 s:\n" + \
-                (home / "server.log").read_text()[-3000:]
-            time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def server(prefect_server):
+    """The session's real Prefect server (tests/conftest.py)."""
+    return prefect_server
 
 
 def api(url: str, path: str, body: dict | None = None):

@@ -20,7 +20,7 @@ import boto3
 import psutil
 import yaml
 
-from tests.conftest import REPO, text_rows, write_jsonl
+from tests.conftest import REPO, aws_environment, text_rows, write_jsonl
 
 
 def _lmforge(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
@@ -199,23 +199,11 @@ def _s3_killed_mid_run_and_restarted(tmp_path, stack, state, run_env, s3) -> Non
     assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     out = log.read_text()
     print("S3 outage during shard:", "a stage retried" if "Retry" in out else "s3fs's own retries sufficed")
-    import s3fs
-
-    saved = {k: os.environ.get(k) for k in run_env if k.startswith("AWS_")}
-    os.environ.update({k: run_env[k] for k in saved})
-    s3fs.S3FileSystem.clear_instance_cache()  # a cached filesystem keeps another endpoint
-    try:
+    with aws_environment(run_env):
         store = ArtifactStore("s3://lmforge/stkkill")
         arts = store.list()
         for art in arts:
             art.verify()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        s3fs.S3FileSystem.clear_instance_cache()
     dirs = {k.split("/")[1] + "/" + k.split("/")[2] for o in s3.list_objects_v2(Bucket="lmforge",
             Prefix="stkkill/").get("Contents", []) for k in [o["Key"]] if not k.split("/")[1].startswith("_")}
     assert dirs == {f"{a.kind}/{a.id}" for a in arts}  # every folder in the bucket is a finished artifact
