@@ -139,34 +139,85 @@ def _wait_flow_run(api: str, flow_run_id: str, timeout: float = 300) -> dict:
     raise AssertionError(f"flow run {flow_run_id} did not finish in {timeout} s: {fr['state_type']}")
 
 
+def _log_counts(api: str, flow_run_id: str) -> dict[str, list[str]]:
+    """{stage: ["running" | "cached", ...]} from the flow run's lmforge log lines in the Prefect API, in order."""
+    logs = _post(f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
+                                        "sort": "TIMESTAMP_ASC"})
+    out: dict[str, list[str]] = {}
+    for line in logs:
+        m = re.match(r"stage (\w+): (running|cached) ", line["message"])
+        if m:
+            out.setdefault(m.group(1), []).append(m.group(2))
+    return out
+
+
 def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     """`lmforge deploy`, `prefect deployment run`: the stack's long-running process worker picks the run up; its
-    artifacts land in S3 and its MLflow runs on the MLflow server, like a CLI run's."""
-    write_jsonl(tmp_path / "data" / "d.jsonl", text_rows(30, prefix="deployed"))
-    cfg = {"name": "stkdeploy", "store": "s3://lmforge/stkdeploy",
-           "datasets": {"d": {"path": "data/d.jsonl", "kind": "text"}},
-           "stages": {"ingest": {"kind": "ingest", "inputs": ["d"]},
-                      "shard": {"kind": "shard", "inputs": ["ingest"], "max_count": 20}}}
-    (tmp_path / "d.yaml").write_text(yaml.safe_dump(cfg))
+    artifacts land in S3 and its MLflow runs on the MLflow server, like a CLI run's. A stage made to fail through a
+    config override (a data file with a bad row), fixed, then `prefect flow-run retry`: the worker runs only that
+    stage and its dependant again. The registry on the MLflow server: `<pipeline>-sft` @candidate once sft finished,
+    @champion only once the whole run (eval gates included) passed."""
+    from tests.test_eval import write_task_dir
+    from tests.test_trainer import chat_rows, sft
+    from tests.test_trainer import pipeline as train_pipeline
+
+    write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
+    write_jsonl(tmp_path / "data" / "pairs_bad.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, "not json"])
+    raw = train_pipeline(tmp_path, {
+        "sft": sft(method="full", max_steps=4, evaluate=False),
+        "eval": {"kind": "eval", "inputs": ["sft"], "retries": 0, "models": [{"name": "sft", "input": "sft"}],
+                 "tasks": ["t_mc"], "task_dirs": [str(write_task_dir(tmp_path / "tasks"))],
+                 "gates": [{"metric": "sft/t_mc/acc", "against": "sft", "max_regression": 0.0}]},
+        "ingest_pairs": {"kind": "ingest", "inputs": ["pairs"], "retries": 0},
+        "shard_pairs": {"kind": "shard", "inputs": ["ingest_pairs"], "retries": 0}})
+    raw.update({"name": "stkdeploy", "store": "s3://lmforge/stkdeploy"})
+    del raw["tracking"]
+    raw["datasets"]["pairs"] = {"path": "data/pairs_bad.jsonl", "kind": "preference"}
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(raw))
     dep = _lmforge("deploy", "d.yaml", "--name", "d", "--pool", "lmforge", "--no-schedule", cwd=tmp_path,
                    env=run_env)
     assert dep.returncode == 0, dep.stdout + dep.stderr
+    api = env["PREFECT_API_URL"]
     trig = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "lmforge-pipeline/d"], cwd=tmp_path,
                           env={**run_env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert trig.returncode == 0, trig.stdout + trig.stderr
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", trig.stdout).group(1)
-    fr = _wait_flow_run(env["PREFECT_API_URL"], flow_run_id)
-    assert fr["state_type"] == "COMPLETED", fr["state"]
-    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="lmforge", Prefix="stkdeploy/").get("Contents", [])}
-    assert sum(k.endswith("/manifest.json") for k in keys) == 2, keys
+    fr = _wait_flow_run(api, flow_run_id, timeout=600)
+    assert fr["state_type"] == "FAILED", fr["state"]  # ingest_pairs: the bad row
+    first = _log_counts(api, flow_run_id)
+    assert first["ingest_pairs"] == ["running"] and "shard_pairs" not in first
+    assert all(first[n] == ["running"] for n in ("ingest", "shard", "tokenizer", "sft", "eval"))
+
     mlflow = env["MLFLOW_TRACKING_URI"]
+
+    def aliases() -> dict[str, str]:
+        with urllib.request.urlopen(f"{mlflow}/api/2.0/mlflow/registered-models/get?name=stkdeploy-sft") as r:
+            return {a["alias"]: a["version"] for a in json.load(r)["registered_model"].get("aliases", [])}
+
+    assert set(aliases()) == {"candidate"}  # sft finished; the run failed, so no champion
+
+    write_jsonl(tmp_path / "data" / "pairs_bad.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])  # fixed
+    retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", flow_run_id], cwd=tmp_path,
+                           env={**run_env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    time.sleep(2)
+    fr = _wait_flow_run(api, flow_run_id, timeout=600)
+    assert fr["state_type"] == "COMPLETED", fr["state"]
+    both = _log_counts(api, flow_run_id)  # the flow run's logs over both attempts
+    assert both["ingest_pairs"] == ["running", "running"] and both["shard_pairs"] == ["running"]
+    assert all(both[n] == ["running", "cached"] for n in ("ingest", "shard", "tokenizer", "sft", "eval")), both
+    assert aliases() == {"candidate": aliases()["candidate"], "champion": aliases()["candidate"]}
+
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="lmforge", Prefix="stkdeploy/").get("Contents", [])}
+    assert sum(k.endswith("/manifest.json") for k in keys) == 7, keys  # 7 stages, each a finished artifact
     with urllib.request.urlopen(f"{mlflow}/api/2.0/mlflow/experiments/get-by-name?experiment_name=stkdeploy") as r:
         exp = json.load(r)["experiment"]["experiment_id"]
     runs = _post(f"{mlflow}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp]})["runs"]
     tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
     parent = [t for t in tags if t.get("prefect.flow_run_id") == flow_run_id and "lmforge.pipeline" in t]
-    assert len(parent) == 1 and parent[0]["lmforge.config_path"] == str(tmp_path / "d.yaml")
-    assert sorted(t.get("mlflow.runName") for t in tags if "mlflow.parentRunId" in t) == ["ingest", "shard"]
+    assert len(parent) == 1 and parent[0]["lmforge.config_path"] == str(tmp_path / "d.yaml")  # the retry continued it
+    children = sorted(t.get("mlflow.runName") for t in tags if "mlflow.parentRunId" in t)
+    assert children == sorted(["ingest", "shard", "tokenizer", "sft", "eval", "ingest_pairs", "shard_pairs"])
 
 
 def _s3_killed_mid_run_and_restarted(tmp_path, stack, state, run_env, s3) -> None:
