@@ -1,4 +1,4 @@
-"""`lmforge` command line: validate, plan, run, artifacts ls/show, gc, compare, stack, deploy, status, rerun.
+"""`lmforge` command line: validate, plan, estimate, run, artifacts ls/show, gc, compare, stack, deploy, status, rerun.
 
 Exit codes: 0 success, 1 a stage failed, 2 bad config, bad data (found while planning or inside a stage, a damaged
 artifact too) or bad usage, 3 interrupted (SIGTERM/SIGINT, or the flow run cancelled through Prefect:
@@ -57,6 +57,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, _kinds(), args.override)
     print(make_plan(cfg, _kinds(), args.force, accept_code_change=args.accept_code_change).format())
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from flows.estimate import estimate, format_table
+    from trainer.gpus import load_catalog
+
+    cfg = load_config(args.config, _kinds(), args.override)
+    report = estimate(cfg, load_catalog(args.catalog), gpu_names=args.gpu, mfu=args.mfu, margin=args.margin,
+                      attn=args.attn_implementation)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0
 
 
@@ -233,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="show each stage's artifact id and whether it will run or is cached, and why")
     _add_config_args(pl, force=True)
     pl.set_defaults(fn=cmd_plan)
+    e = sub.add_parser("estimate", help="before renting a GPU: peak memory per training stage by component, fit "
+                                        "on each GPU of the catalog, step time, hours and cost")
+    _add_config_args(e)
+    e.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    e.add_argument("--gpu", action="append", metavar="NAME", help="only this GPU of the catalog (repeatable)")
+    e.add_argument("--catalog", action="append", default=[], metavar="FILE",
+                   help="a YAML file of your own GPU entries and rates, added to configs/gpus.yaml (repeatable)")
+    e.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilization of the time model (default 0.35)")
+    e.add_argument("--margin", type=float, default=0.2, help="added to the GPU cost, as a fraction (default 0.2)")
+    e.add_argument("--attn-implementation", choices=("sdpa", "flash_attention_2", "eager"), default="sdpa",
+                   help="attention kernel the activations assume (default sdpa, transformers' default)")
+    e.set_defaults(fn=cmd_estimate)
     r = sub.add_parser("run", help="run the pipeline as a Prefect flow; finished stages are skipped")
     _add_config_args(r, force=True)
     r.add_argument("--json", metavar="FILE", help="also write the run summary to FILE")
