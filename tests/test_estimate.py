@@ -1,0 +1,208 @@
+"""`lmforge estimate`: exact memory components of a tiny Llama against hand-computed numbers, sharding, the GPU
+catalog, the CLI on the demo pipeline (and a 7B-shaped model that needs a smaller micro-batch), and the cost."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lmforge.errors import ConfigError
+from trainer import gpus as G
+from trainer.estimate import CUDA_CONTEXT_MIB, MIB, Plan, estimate_memory, shape_from_config
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": False}
+LLAMA_7B = ("{model_type: llama, hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, "
+            "num_attention_heads: 32, num_key_value_heads: 32, vocab_size: 32000, max_position_embeddings: 4096}")
+# tiny: head_dim 16; per layer q 64x64 + k 64x32 + v 64x32 + o 64x64 + gate, up, down 64x128 = 36864, norms 128
+LAYER = 4096 + 2048 + 2048 + 4096 + 3 * 8192 + 128
+PARAMS = 100 * 64 + 2 * LAYER + 64 + 100 * 64  # embeddings, layers, final norm, lm_head
+TRAINED = ("pretrain", "sft", "reward", "dpo", "ppo")
+
+
+def tiny_plan(**kw) -> Plan:
+    base = dict(kind="sft", method="full", dtype="bfloat16", precision="bf16", micro_batch=2, seq_tokens=8)
+    return Plan(**{**base, **kw})
+
+
+def test_tiny_llama_full_components_exact():
+    shape = shape_from_config(TINY, "tiny")
+    assert shape.params() == PARAMS == 86848
+    est = estimate_memory(shape, tiny_plan())
+    b = est.bytes
+    assert b["weights"] == PARAMS * 2 == 173696  # bf16
+    assert b["gradients"] == PARAMS * 2
+    assert b["optimizer"] == PARAMS * 2 * 2  # AdamW m and v in the params' dtype
+    assert b["adapter"] == 0 and b["other_models"] == 0
+    # activations: n = 2 rows x 8 tokens = 16, c = 2
+    per_token = 64 * (2 * 2 + 8) + 2 * (64 + 2 * 32) + 2 * (64 + 32) + 2 * 64 + 4 * 2 * 128
+    layer = 16 * per_token + 2 * 4 * 8 * 4  # + sdpa logsumexp
+    act = 2 * layer + 16 * 64 * 2 + 16 * 64 * (2 + 4) + 16 * 100 * (2 + 8)
+    assert b["activations"] == act == 100480
+    tensors = 173696 * 2 + 2 * 173696 + act
+    assert b["buffers"] == CUDA_CONTEXT_MIB * MIB + round(0.1 * tensors)
+    assert est.total == sum(b.values())
+
+
+def test_param_count_matches_transformers():
+    """The analytic count equals the parameters of the model transformers builds (llama, and qwen2 with its qkv
+    biases and tied embeddings)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for cfg in (TINY, {**TINY, "model_type": "qwen2", "tie_word_embeddings": True}):
+        body = dict(cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(body.pop("model_type"), **body))
+        assert shape_from_config(cfg, "t").params() == sum(p.numel() for p in model.parameters()), cfg["model_type"]
+
+
+def test_deepspeed_mixed_precision_keeps_fp32_master_and_states():
+    est = estimate_memory(shape_from_config(TINY, "t"), tiny_plan(dtype="float32", deepspeed=True))
+    assert est.bytes["weights"] == PARAMS * 2  # the engine casts to bf16
+    assert est.bytes["optimizer"] == PARAMS * 12  # fp32 master 4 + m 4 + v 4
+
+
+def test_lora_adapter_exact_and_below_full():
+    shape = shape_from_config(TINY, "t")
+    lora = estimate_memory(shape, tiny_plan(method="lora", lora_rank=4, lora_dropout=0.0))
+    full = estimate_memory(shape, tiny_plan())
+    per_layer = 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 3 * (64 + 128))
+    assert lora.trainable_params == 2 * per_layer == 8192
+    assert lora.bytes["adapter"] == 8192 * (4 + 4 + 8)  # fp32 weights, grads, AdamW m and v
+    assert lora.bytes["gradients"] == lora.bytes["optimizer"] == 0
+    assert lora.bytes["weights"] == full.bytes["weights"]
+    assert lora.total < full.total
+
+
+def test_qlora_weights_are_4bit_with_absmax():
+    shape = shape_from_config(TINY, "t")
+    q = estimate_memory(shape, tiny_plan(method="qlora", lora_rank=4))
+    linear = 2 * (LAYER - 128)
+    # 0.5 byte + one 8-bit absmax per 64 weights + one fp32 constant per 256 blocks; the rest fp32
+    assert q.bytes["weights"] == linear // 2 + linear // 64 + linear * 4 // (64 * 256) + (PARAMS - linear) * 4
+    assert q.bytes["weights"] == 36864 + 1152 + 18 + 13120 * 4
+    nodq = estimate_memory(shape, tiny_plan(method="qlora", lora_rank=4, quant_double=False))
+    assert nodq.bytes["weights"] == linear // 2 + linear * 4 // 64 + (PARAMS - linear) * 4
+    big = shape_from_config({**TINY, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000}, "7b")
+    w = estimate_memory(big, tiny_plan(method="qlora")).bytes["weights"]
+    assert w / big.params() < 0.7  # ~4-bit: 0.52 B per linear weight, fp32 embeddings and head
+
+
+def test_sharding_ddp_zero2_zero3():
+    shape = shape_from_config(TINY, "t")
+    one = estimate_memory(shape, tiny_plan(dtype="float32", deepspeed=True)).bytes
+    ddp = estimate_memory(shape, tiny_plan(world_size=4)).bytes
+    z2 = estimate_memory(shape, tiny_plan(dtype="float32", deepspeed=True, world_size=4, sharding="zero2")).bytes
+    z3 = estimate_memory(shape, tiny_plan(dtype="float32", deepspeed=True, world_size=4, sharding="zero3")).bytes
+    assert ddp["weights"] == PARAMS * 2 and ddp["optimizer"] == PARAMS * 4  # replicated
+    assert z2["weights"] == one["weights"] and z2["gradients"] == PARAMS * 2 // 4 and z2["optimizer"] == PARAMS * 12 // 4
+    assert z3["weights"] == one["weights"] // 4 == PARAMS * 2 // 4
+    assert z3["activations"] == one["activations"]  # each GPU runs its own micro-batch
+
+
+def test_attention_and_checkpointing_change_activations_exactly():
+    shape = shape_from_config(TINY, "t")
+    sdpa = estimate_memory(shape, tiny_plan()).bytes["activations"]
+    eager = estimate_memory(shape, tiny_plan(attn_implementation="eager")).bytes["activations"]
+    # per layer: - logsumexp + fp32 softmax and its bf16 cast (rows x heads x s^2) + repeated k, v (4 heads, 2 kv)
+    assert eager - sdpa == 2 * (-2 * 4 * 8 * 4 + 2 * 4 * 8 * 8 * (4 + 2) + 16 * 2 * 2 * 4 * 16)
+    ckpt = estimate_memory(shape, tiny_plan(gradient_checkpointing=True)).bytes["activations"]
+    layer = (sdpa - (16 * 64 * 2 + 16 * 64 * 6 + 16 * 100 * 10)) // 2
+    assert sdpa - ckpt == 2 * layer - (2 * 16 * 64 * 2 + layer)  # L layers kept -> L inputs + one layer
+
+
+def test_flops_model():
+    shape = shape_from_config(TINY, "t")
+    f = 2 * (2 * (LAYER - 128) + 100 * 64) + 2 * 2 * 8 * 4 * 16  # 2 P_mm + 2 L s a d
+    assert G.forward_flops_per_token(shape, 8) == f
+    assert G.train_flops_per_token(shape, tiny_plan()) == 3 * f
+    assert G.train_flops_per_token(shape, tiny_plan(method="lora", lora_rank=4)) == 2 * f + 6 * 8192
+    assert G.step_flops(shape, tiny_plan(grad_accumulation_steps=3)) == 2 * 3 * 8 * 3 * f
+
+
+def test_catalog_loads_and_a_bad_entry_names_the_field(tmp_path):
+    cat = G.load_catalog()
+    assert list(cat.gpus) == ["RTX 4090", "L4", "L40S", "A100 40GB", "A100 80GB", "H100 80GB", "H200", "GB10"]
+    assert cat.gpus["H200"].memory_gib == 140.4 and cat.gpus["GB10"].arch == "aarch64"
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("gpus:\n  MyGPU: {memory_gib: 32, peak_bf16_tflops: 100, usd_per_hour: 0.7}\n")
+    assert G.load_catalog([mine]).gpus["MyGPU"].usd_per_hour == 0.7
+    mine.write_text("gpus:\n  MyGPU: {memory_gib: -1, peak_bf16_tflops: 100, usd_per_hour: 0.7, vram: 3}\n")
+    with pytest.raises(ConfigError) as e:
+        G.load_catalog([mine])
+    assert "gpus.MyGPU.memory_gib: Input should be greater than 0, got -1" in str(e.value)
+    assert "gpus.MyGPU.vram: Extra inputs are not permitted" in str(e.value)
+
+
+def test_cost_formula():
+    gpu = G.Gpu(memory_gib=80, peak_bf16_tflops=989.4, usd_per_hour=2.5)
+    rates = G.Rates(disk_usd_per_gib_month=0.1, transfer_usd_per_gib=0.09)
+    c = G.cost(10.0, gpu, rates, world_size=2, margin=0.2, checkpoint_gib=3.0, checkpoints_saved=4, keep_checkpoints=2)
+    assert c["gpu_hours"] == 20.0 and c["compute_usd"] == 20 * 2.5 * 1.2
+    assert c["disk_usd"] == round(3 * 3.0 * 0.1 * 10 / 730, 4) and c["transfer_usd"] == round(5 * 3.0 * 0.09, 4)
+    assert c["total_usd"] == round(60 + 3 * 3.0 * 0.1 * 10 / 730 + 5 * 3.0 * 0.09, 4)
+
+
+def _cli(*args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "flows.cli", "estimate", "configs/demo.yaml", "--json", *args],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_cli_demo_every_stage_component_and_gpu():
+    r = _cli()
+    assert list(r["stages"]) == list(TRAINED)
+    cat = G.load_catalog()
+    for name, s in r["stages"].items():
+        assert s["model"]["params"] == 346752 and s["model"]["vocab_size"] == 400  # tokenizer stage's vocab_size
+        assert set(s["memory"]["components"]) == {"weights", "gradients", "optimizer", "adapter", "activations",
+                                                  "other_models", "buffers"}
+        assert list(s["gpus"]) == list(cat.gpus)
+        for g, row in s["gpus"].items():
+            assert row["fits"] is True and row["suggestion"] is None, (name, g)
+            # cost = hours x price x (1 + margin) + disk + transfer
+            c = row["cost"]
+            assert c["compute_usd"] == round(row["hours"] * cat.gpus[g].usd_per_hour * 1.2, 4)
+            assert c["total_usd"] == round(c["compute_usd"] + c["disk_usd"] + c["transfer_usd"], 4)
+    assert r["stages"]["sft"]["memory"]["components"]["weights"]["bytes"] == 346752 * 4  # dtype float32 default
+    assert r["stages"]["dpo"]["memory"]["components"]["adapter"]["bytes"] > 0
+
+
+def test_cli_7b_llama_needs_a_smaller_micro_batch_on_a_24gb_card():
+    """A 7B-shaped Llama (config only): dpo with QLoRA, micro-batch 16 x accum 2 does not fit an RTX 4090; the
+    largest micro-batch that does is 2, with accum 16 keeping the global batch of 32."""
+    r = _cli("-o", f"stages.pretrain.base_model.config={LLAMA_7B}", "-o", "stages.dpo.method=qlora",
+             "-o", "stages.dpo.dtype=bfloat16", "-o", "stages.dpo.max_length_tokens=512",
+             "-o", "stages.dpo.grad_accumulation_steps=2", "--gpu", "RTX 4090")
+    dpo = r["stages"]["dpo"]
+    assert dpo["model"]["params"] == 6738415616
+    row = dpo["gpus"]["RTX 4090"]
+    assert row["fits"] is False and row["headroom_gib"] < 0
+    s = row["suggestion"]
+    assert (s["batch_size_per_device"], s["grad_accumulation_steps"], s["global_batch"]) == (2, 16, 32)
+    assert s["total_gib"] <= 23.99
+    full = r["stages"]["sft"]["gpus"]["RTX 4090"]["suggestion"]  # full fine-tuning of 7B in fp32: no micro-batch fits
+    assert full["does_not_fit_at_micro_batch_1"] is True and full["batch_size_per_device"] is None
+    assert full["alternatives_that_fit_at_micro_batch_1"] == ["method: qlora", "method: qlora + gradient_checkpointing"]
+    pre = r["stages"]["pretrain"]["gpus"]["RTX 4090"]["suggestion"]  # pretrain cannot switch to LoRA
+    assert pre["alternatives_that_fit_at_micro_batch_1"] == [] and "use a larger GPU" in pre["advice"]
+
+
+def test_hub_model_without_cached_config_names_the_field(capsys):
+    from flows.cli import main
+
+    rc = main(["estimate", str(REPO / "configs" / "demo.yaml"), "-o", "stages.pretrain.base_model={hub: nobody/none}"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "stages.pretrain.base_model.hub: the config.json of 'nobody/none' is not in the local Hugging Face cache" in err
+    assert "copy its contents into base_model.config" in err
