@@ -159,7 +159,7 @@ def cmd_rerun(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    """`lmforge deploy`, `lmforge status`, `lmforge rerun` (kept here so flows/cli.py stays one line for them)."""
+    """`lmforge deploy`, `lmforge status`, `lmforge rerun`, `lmforge worker` (kept here so flows/cli.py stays one line for them)."""
     from flows.deploy import DEFAULT_POOL, NIGHTLY_CRON, cmd_deploy
 
     d = sub.add_parser("deploy", help="register the pipeline's Prefect deployments (manual and nightly) on a process "
@@ -181,3 +181,6 @@ def add_parsers(sub) -> None:
     r.add_argument("flow_run_id", help="flow run id (Prefect UI, `lmforge status`, or `prefect flow-run ls`)")
     r.add_argument("--json", metavar="FILE", help="also write the run summary to FILE")
     r.set_defaults(fn=cmd_rerun)
+    from flows.worker import add_parser as add_worker_parser
+
+    add_worker_parser(sub)

@@ -1,5 +1,6 @@
 """Deployments as a user runs them: a real `prefect server start` on 127.0.0.1, `lmforge deploy`, `prefect deployment
-run`, a real process worker (`prefect worker start --run-once`), then `lmforge status` and `lmforge rerun`.
+run`, a real process worker (`lmforge worker --run-once`: Prefect's process worker with an exit status), then
+`lmforge status` and `lmforge rerun`.
 
 One server for the module (it takes 30-60 s to start on a loaded 2-core machine). The pipeline is the tiny data-only
 one of tests/conftest.py (four stages), so a worker run takes ~15 s, most of it imports.
@@ -51,14 +52,22 @@ def lmforge(url: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return sh(url, [sys.executable, "-m", "flows.cli", *args], cwd)
 
 
-def trigger_and_work(url: str, cwd: Path, params: dict | None = None) -> tuple[str, subprocess.CompletedProcess]:
-    """`prefect deployment run` then `prefect worker start --run-once`: (flow run id, the worker's process)."""
-    run = sh(url, [sys.executable, "-m", "prefect", "deployment", "run", "lmforge-pipeline/t",
+def trigger_and_work(url: str, cwd: Path, params: dict | None = None,
+                     deployment: str = "lmforge-pipeline/t") -> tuple[str, subprocess.CompletedProcess]:
+    """`prefect deployment run` then `lmforge worker --run-once`: (flow run id, the worker's process)."""
+    run = sh(url, [sys.executable, "-m", "prefect", "deployment", "run", deployment,
                    *(["--params", json.dumps(params)] if params else [])], cwd)
     assert run.returncode == 0, run.stdout + run.stderr
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", run.stdout).group(1)
-    worker = sh(url, [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"], cwd)
+    worker = lmforge(url, "worker", "--pool", POOL, "--run-once", cwd=cwd)
     return flow_run_id, worker
+
+
+def worker_report(worker: subprocess.CompletedProcess) -> list[str]:
+    """The lines `lmforge worker` prints once it stopped: one per flow run (and its cause), then the summary."""
+    lines = worker.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("flow run "))
+    return lines[first:]
 
 
 def task_runs(url: str, flow_run_id: str) -> dict[str, dict]:
@@ -115,8 +124,11 @@ def test_deploy_registers_manual_and_nightly(deployed):
 
 def test_deployment_run_is_a_cli_run(deployed):
     url, tmp, fr_id = deployed["url"], deployed["tmp"], deployed["flow_run_id"]
-    assert deployed["worker"].returncode == 0
+    assert deployed["worker"].returncode == 0, deployed["worker"].stdout[-3000:] + deployed["worker"].stderr[-3000:]
     assert api(url, f"/flow_runs/{fr_id}")["state"]["type"] == "COMPLETED", deployed["worker"].stderr[-3000:]
+    name = api(url, f"/flow_runs/{fr_id}")["name"]
+    assert worker_report(deployed["worker"]) == [f"flow run {fr_id} {name}: Completed",
+                                                 f"lmforge worker: 1 flow run(s) in pool '{POOL}': 1 Completed; exit 0"]
     made = manifests(tmp / "artifacts")
     assert len(made) == 4 and {m["produced_by"]["flow_run_id"] for m in made.values()} == {fr_id}
 
@@ -155,8 +167,15 @@ def test_failed_stage_not_run_status_and_rerun(deployed):
     url, tmp = deployed["url"], deployed["tmp"]
     write_jsonl(tmp / "data/pairs_bad.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, "not json"])
     fr_id, worker = trigger_and_work(url, tmp, {"overrides": BAD_PAIRS})
-    assert worker.returncode == 0  # Prefect's --run-once worker exits 0 whatever the flow run's end
-    assert api(url, f"/flow_runs/{fr_id}")["state"]["type"] == "FAILED"
+    assert worker.returncode == 1, worker.stdout[-3000:] + worker.stderr[-3000:]  # `prefect worker start` exits 0
+    fr = api(url, f"/flow_runs/{fr_id}")
+    assert fr["state"]["type"] == "FAILED"
+    report = worker_report(worker)
+    assert report[0] == f"flow run {fr_id} {fr['name']}: Failed: Flow run encountered an exception: StageFailed: " \
+                        "2 stage(s) failed:"
+    assert report[1].startswith(f"  - stage 'ingest_pairs': DataError: {tmp / 'data/pairs_bad.jsonl'}:2: invalid JSON")
+    assert report[2] == "  - stage 'shard_pairs': not run: upstream ingest_pairs failed"
+    assert report[-1] == f"lmforge worker: 1 flow run(s) in pool '{POOL}': 1 Failed; exit 1"
     trs = task_runs(url, fr_id)
     assert {n: (t["state"]["type"], t["state"]["name"]) for n, t in trs.items()} == {
         "ingest": ("COMPLETED", "Completed"), "shard": ("COMPLETED", "Completed"),
@@ -199,3 +218,37 @@ def test_failed_stage_not_run_status_and_rerun(deployed):
         "ingest": ("Completed", True), "shard": ("Completed", True),
         "ingest_pairs": ("Completed", False), "shard_pairs": ("Completed", False)}
     assert api(url, f"/flow_runs/{summary['flow_run_id']}")["tags"] == [f"rerun-of:{fr_id}"]
+
+
+def test_worker_exits_4_naming_the_missing_pull_folder(deployed):
+    """A deployment whose pull step folder is gone (the checkout moved): the flow run crashes before any stage, and
+    `lmforge worker --run-once` exits 4 and names the folder (Prefect prints it on the console only)."""
+    url, tmp = deployed["url"], deployed["tmp"]
+    manual = api(url, "/deployments/name/lmforge-pipeline/t")
+    gone = tmp / "moved-away"
+    api(url, "/deployments/", {"name": "t-moved", "flow_id": manual["flow_id"], "work_pool_name": POOL,
+                               "entrypoint": manual["entrypoint"], "parameters": manual["parameters"],
+                               "pull_steps": [{"prefect.deployments.steps.set_working_directory":
+                                               {"directory": str(gone)}}]})
+    fr_id, worker = trigger_and_work(url, tmp, deployment="lmforge-pipeline/t-moved")
+    assert worker.returncode == 4, worker.stdout[-3000:] + worker.stderr[-3000:]
+    fr = api(url, f"/flow_runs/{fr_id}")
+    assert fr["state"]["type"] == "CRASHED" and task_runs(url, fr_id) == {}
+    assert worker_report(worker) == [
+        f"flow run {fr_id} {fr['name']}: Crashed: {fr['state']['message']}",
+        f"  cause: the pull step's folder {gone} does not exist on this machine (set_working_directory of deployment "
+        "'t-moved'): the checkout moved or was deleted. Run `lmforge deploy` again from the checkout, or put the "
+        "checkout back at that path",
+        f"lmforge worker: 1 flow run(s) in pool '{POOL}': 1 Crashed; exit 4"]
+    assert fr["state"]["message"].startswith("Process exited with status code: 1")
+
+
+def test_worker_with_nothing_waiting_and_a_missing_pool(deployed):
+    url, tmp = deployed["url"], deployed["tmp"]
+    idle = lmforge(url, "worker", "--pool", POOL, "--run-once", cwd=tmp)
+    assert idle.returncode == 0, idle.stderr[-3000:]
+    assert idle.stdout.splitlines() == [f"lmforge worker: no flow run was waiting in work pool '{POOL}'; nothing ran"]
+    missing = lmforge(url, "worker", "--pool", "no-such-pool", "--run-once", cwd=tmp)
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert "--pool no-such-pool: no work pool 'no-such-pool' in the Prefect API at hand" in missing.stderr
+    assert "no-such-pool" not in {p["name"] for p in api(url, "/work_pools/filter", {})}  # not created
