@@ -73,8 +73,9 @@ class DatasetConfig(BaseModel):
         "against the project root (the nearest folder above the config with pyproject.toml or .git)."
     )
     kind: DataKind = Field(description="Record schema: text {text}, chat {messages}, preference {prompt, chosen, rejected}.")
-    format: Literal["auto", "jsonl", "jsonl.gz", "parquet", "txt"] = Field(
-        "auto", description="File format; auto picks it from the file name."
+    format: Literal["auto", "json", "jsonl", "jsonl.gz", "parquet", "txt", "hf_disk"] = Field(
+        "auto", description="File format; auto picks it from the file name (.json: a JSON array of rows, or JSON "
+        "Lines), and a folder written by datasets' save_to_disk (it holds state.json) is hf_disk."
     )
     columns: dict[str, str] = Field(
         default_factory=dict,

@@ -14,8 +14,9 @@ from lmforge.config import DatasetConfig, PipelineConfig
 from lmforge.errors import DataError
 from lmforge.store import canonical_json, filesystem, fingerprint
 
-FORMATS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz",
+FORMATS = {".json": "json", ".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz",
            ".parquet": "parquet", ".txt": "txt"}
+HF_DISK_MARKER = "state.json"  # what `datasets.Dataset.save_to_disk` writes beside dataset_info.json and the .arrow files
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,39 @@ def detect_format(uri: str, declared: str, where: str) -> str:
         if lower.endswith(ext):
             return FORMATS[ext]
     raise DataError(where, f"cannot tell the format of {uri!r} from its name",
-                    "set format: to one of jsonl, jsonl.gz, parquet, txt")
+                    "set format: to one of json, jsonl, jsonl.gz, parquet, txt, or point path at a folder "
+                    "written by datasets' save_to_disk")
+
+
+def saved_dataset_files(fs, path: str) -> list[str]:
+    """The files of a `save_to_disk` folder, relative and sorted (hidden files left out): what its hash covers."""
+    root = path.rstrip("/")
+    rel = (p[len(root) + 1:] for p in fs.find(root))
+    return sorted(r for r in rel if not any(part.startswith(".") for part in r.split("/")))
+
+
+def combined_sha256(file_hashes: list[tuple[str, str]]) -> str:
+    """One sha256 over (relative name, sha256) pairs: a saved dataset folder's content hash."""
+    h = hashlib.sha256()
+    for rel, sha in file_hashes:
+        h.update(f"{rel}\0{sha}\n".encode())
+    return h.hexdigest()
+
+
+def _saved_dataset(fs, path: str, uri: str, where: str) -> SourceFile:
+    """A `save_to_disk` folder as one source: hashed over every file's name and content."""
+    if fs.exists(f"{path.rstrip('/')}/dataset_dict.json"):
+        raise DataError(where, f"{uri!r} is a saved DatasetDict (it holds dataset_dict.json), not one split",
+                        f"point path at one split's folder, e.g. {uri.rstrip('/')}/train")
+    if not fs.exists(f"{path.rstrip('/')}/{HF_DISK_MARKER}"):
+        raise DataError(where, f"{uri!r} is not a folder written by datasets' save_to_disk (no {HF_DISK_MARKER})",
+                        "point path at the folder save_to_disk wrote, or set format: to the files' format")
+    hashes, size = [], 0
+    for rel in saved_dataset_files(fs, path):
+        sha, n = fingerprint(fs, f"{path.rstrip('/')}/{rel}")
+        hashes.append((rel, sha))
+        size += n
+    return SourceFile(uri=uri, format="hf_disk", sha256=combined_sha256(hashes), bytes=size)
 
 
 def resolve_dataset(pipeline: PipelineConfig, name: str) -> DatasetInput:
@@ -74,6 +107,11 @@ def resolve_dataset(pipeline: PipelineConfig, name: str) -> DatasetInput:
         protocol = url.split("://", 1)[0] + "://" if "://" in url else ""
         if any(c in path for c in "*?["):
             matches = sorted(fs.glob(path))
+        elif fs.isdir(path) and (cfg.format == "hf_disk" or
+                                 (cfg.format == "auto" and fs.exists(f"{path.rstrip('/')}/{HF_DISK_MARKER}"))):
+            folder = path.rstrip("/")
+            files.append(_saved_dataset(fs, folder, protocol + folder if protocol else folder, where))
+            continue
         elif fs.isdir(path):
             matches = sorted(p for p in fs.find(path) if not p.rsplit("/", 1)[-1].startswith("."))
         elif fs.exists(path):
@@ -87,6 +125,9 @@ def resolve_dataset(pipeline: PipelineConfig, name: str) -> DatasetInput:
         for m in matches:
             uri = protocol + m if protocol else m
             fmt = detect_format(uri, cfg.format, where)
+            if fmt == "hf_disk":
+                raise DataError(where, f"format: hf_disk needs a folder written by save_to_disk, got the file {uri!r}",
+                                "point path at the dataset's folder, or set format: to the file's format")
             sha256, size = fingerprint(fs, m)
             files.append(SourceFile(uri=uri, format=fmt, sha256=sha256, bytes=size))
     return DatasetInput(name=name, config=cfg, files=tuple(files))

@@ -51,7 +51,7 @@ EXCLUDED = frozenset({"lmforge.tracking", "trainer.metrics", "lmforge.log", "lmf
 LIBRARIES = {"torch": "torch", "transformers": "transformers", "trl": "trl", "peft": "peft",
              "tokenizers": "tokenizers", "lm_eval": "lm-eval", "datasketch": "datasketch",
              "webdataset": "webdataset", "bitsandbytes": "bitsandbytes", "deepspeed": "deepspeed",
-             "accelerate": "accelerate", "datasets": "datasets"}
+             "accelerate": "accelerate", "datasets": "datasets", "ijson": "ijson"}
 #: A library that runs another one's code for us: transformers tokenizes with tokenizers, trl and peft
 #: build on transformers.
 IMPLIES = {"transformers": ("tokenizers",), "trl": ("transformers",), "peft": ("transformers",)}

@@ -3,8 +3,10 @@
 Kinds and their normalized record (every record also carries a stable `id`):
 - text:       {"text": str}
 - chat:       {"messages": [{"role": system|user|assistant|tool, "content": str}, ...]}
-              also read from instruction/input/output rows and from ShareGPT `conversations`
-- preference: {"prompt": str, "chosen": str, "rejected": str}
+              also read from ShareGPT `conversations`, Alpaca instruction/input/output(/system/history) rows
+              and TRL prompt/completion rows (strings or message lists); see CHAT_LAYOUTS
+- preference: {"prompt": str, "chosen": str, "rejected": str}, plus "prompt_messages": [messages] when the
+              prompt is more than one user turn (multi-turn, system); see PREFERENCE_LAYOUTS and preference_record
 
 A records artifact stores them as `records/part-NNNNN.jsonl`, UTF-8, one JSON object per line.
 """
@@ -18,9 +20,19 @@ from lmforge.errors import DataError
 from lmforge.store import Artifact
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
-                  "assistant": "assistant", "tool": "tool"}
+#: ShareGPT speaker -> role. LLaMA-Factory's function_call is the assistant calling a tool (content: the call's
+#: JSON), observation the tool's answer.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
 PART_DIR = "records"
+
+CHAT_LAYOUTS = ("'messages' [{role, content}]; ShareGPT 'conversations' [{from, value}] (+ 'system'); Alpaca "
+                "'instruction'/'input'/'output' (+ 'system', 'history' [[user, assistant], ...]); TRL 'prompt'/"
+                "'completion' (strings or message lists)")
+PREFERENCE_LAYOUTS = ("'prompt'/'chosen'/'rejected' strings; TRL conversational 'prompt' [messages] with 'chosen'/"
+                      "'rejected' [one assistant message]; implicit prompt: 'chosen'/'rejected' full conversations "
+                      "equal up to their last (assistant) message; LLaMA-Factory 'conversations' [{from, value}] "
+                      "with 'chosen'/'rejected' {from, value} (+ 'system')")
 
 
 class SchemaError(ValueError):
@@ -31,33 +43,151 @@ def _col(row: dict[str, Any], field: str, columns: dict[str, str]) -> str:
     return columns.get(field, field)
 
 
+def _fields(row: dict[str, Any]) -> str:
+    return ", ".join(sorted(map(str, row))) or "none"
+
+
 def _string(row: dict[str, Any], field: str, columns: dict[str, str]) -> str:
     col = _col(row, field, columns)
     if col not in row:
-        raise SchemaError(f"missing field {col!r} (have: {', '.join(sorted(map(str, row))) or 'none'})")
+        raise SchemaError(f"missing field {col!r} (have: {_fields(row)})")
     v = row[col]
     if not isinstance(v, str):
         raise SchemaError(f"field {col!r} must be a string, got {type(v).__name__}")
     return v
 
 
+def _message(m: Any, where: str) -> dict[str, str]:
+    """One {role, content} from an OpenAI-style {role, content} or a ShareGPT {from, value} object."""
+    if not isinstance(m, dict):
+        raise SchemaError(f"{where} must be an object with role and content (or from and value)")
+    if "from" in m and "value" in m:  # ShareGPT
+        role, content = SHAREGPT_ROLES.get(m["from"], m["from"]), m["value"]
+    else:
+        role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+        raise SchemaError(f"{where}.role must be one of {', '.join(ROLES)} (ShareGPT: {', '.join(SHAREGPT_ROLES)}), "
+                          f"got {role!r}")
+    if not isinstance(content, str):
+        raise SchemaError(f"{where}.content must be a string, got {type(content).__name__}")
+    return {"role": role, "content": content}
+
+
 def _messages(raw: Any, col: str) -> list[dict[str, str]]:
     if not isinstance(raw, list) or not raw:
         raise SchemaError(f"field {col!r} must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise SchemaError(f"{col}[{i}] must be an object with role and content")
-        if "from" in m and "value" in m:  # ShareGPT
-            role, content = SHAREGPT_ROLES.get(m["from"], m["from"]), m["value"]
-        else:
-            role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise SchemaError(f"{col}[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise SchemaError(f"{col}[{i}].content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
-    return out
+    return [_message(m, f"{col}[{i}]") for i, m in enumerate(raw)]
+
+
+def _system(row: dict[str, Any]) -> list[dict[str, str]]:
+    """A top-level 'system' string (Alpaca, ShareGPT, LLaMA-Factory) as a leading system message."""
+    v = row.get("system")
+    if v is None or v == "":
+        return []
+    if not isinstance(v, str):
+        raise SchemaError(f"field 'system' must be a string, got {type(v).__name__}")
+    return [{"role": "system", "content": v}]
+
+
+def _alpaca(row: dict[str, Any], columns: dict[str, str]) -> list[dict[str, str]]:
+    instruction = _string(row, "instruction", columns)
+    extra = row.get(_col(row, "input", columns)) or ""
+    if not isinstance(extra, str):
+        raise SchemaError(f"field {_col(row, 'input', columns)!r} must be a string")
+    msgs = _system(row)
+    history = row.get("history") or []
+    if not isinstance(history, list):
+        raise SchemaError(f"field 'history' must be a list of [user, assistant] pairs, got {type(history).__name__}")
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise SchemaError(f"history[{i}] must be a [user, assistant] pair of strings")
+        msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    user = f"{instruction}\n\n{extra}" if extra else instruction
+    return msgs + [{"role": "user", "content": user},
+                   {"role": "assistant", "content": _string(row, "output", columns)}]
+
+
+def _turns(row: dict[str, Any], field: str, columns: dict[str, str], role: str) -> list[dict[str, str]]:
+    """A TRL field: a plain string (one `role` turn) or a message list."""
+    col = _col(row, field, columns)
+    v = row[col]
+    if isinstance(v, str):
+        return [{"role": role, "content": v}]
+    return _messages(v, col)
+
+
+def _chat(row: dict[str, Any], columns: dict[str, str]) -> list[dict[str, str]]:
+    col = _col(row, "messages", columns)
+    if col in row:
+        return _messages(row[col], col)
+    if "conversations" in row:  # ShareGPT
+        return _system(row) + _messages(row["conversations"], "conversations")
+    if _col(row, "instruction", columns) in row:  # Alpaca
+        return _alpaca(row, columns)
+    if _col(row, "prompt", columns) in row and _col(row, "completion", columns) in row:  # TRL prompt-completion
+        return _turns(row, "prompt", columns, "user") + _turns(row, "completion", columns, "assistant")
+    raise SchemaError(f"no chat layout fits (have: {_fields(row)}); expected one of: {CHAT_LAYOUTS}")
+
+
+def _answer(v: Any, col: str) -> str:
+    """A preference completion: a string, one assistant message, or a list holding one assistant message."""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, (dict, list)):
+        raise SchemaError(f"field {col!r} must be a string, got {type(v).__name__}")
+    msgs = [_message(v, col)] if isinstance(v, dict) else _messages(v, col)
+    if len(msgs) != 1 or msgs[0]["role"] != "assistant":
+        raise SchemaError(f"field {col!r} must be one assistant message, got "
+                          f"{', '.join(m['role'] for m in msgs)}")
+    return msgs[0]["content"]
+
+
+def _preference(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
+    p, c, r = (_col(row, f, columns) for f in ("prompt", "chosen", "rejected"))
+    if c not in row or r not in row:
+        raise SchemaError(f"missing field {c if c not in row else r!r} (have: {_fields(row)}); "
+                          f"expected one of: {PREFERENCE_LAYOUTS}")
+    if p in row:  # flat strings, or TRL conversational
+        v = row[p]
+        if not isinstance(v, (str, list)):
+            raise SchemaError(f"field {p!r} must be a string or a list of messages, got {type(v).__name__}")
+        prompt = [{"role": "user", "content": v}] if isinstance(v, str) else _messages(v, p)
+        chosen, rejected = _answer(row[c], c), _answer(row[r], r)
+    elif "conversations" in row:  # LLaMA-Factory ShareGPT pairs
+        prompt = _system(row) + _messages(row["conversations"], "conversations")
+        chosen, rejected = _answer(row[c], c), _answer(row[r], r)
+    elif isinstance(row[c], list) and isinstance(row[r], list):  # implicit prompt
+        cm, rm = _messages(row[c], c), _messages(row[r], r)
+        if cm[:-1] != rm[:-1] or len(cm) < 2:
+            at = next((i for i, (a, b) in enumerate(zip(cm, rm)) if a != b), min(len(cm), len(rm)))
+            raise SchemaError(f"implicit-prompt row: {c!r} and {r!r} must be the same conversation up to their last "
+                              f"message, and hold a prompt before it; they differ at message {at} "
+                              f"({len(cm)} vs {len(rm)} messages)")
+        prompt = cm[:-1]
+        chosen, rejected = _answer(cm[-1:], f"{c}[-1]"), _answer(rm[-1:], f"{r}[-1]")
+    else:
+        raise SchemaError(f"missing field {p!r} (have: {_fields(row)}); expected one of: {PREFERENCE_LAYOUTS}")
+    if not prompt or prompt[-1]["role"] == "assistant":
+        raise SchemaError("the prompt must end with a user (or tool) turn, before the chosen and rejected answers")
+    return preference_record(prompt, chosen, rejected)
+
+
+def preference_record(prompt: list[dict[str, str]], chosen: str, rejected: str) -> dict[str, Any]:
+    """{prompt, chosen, rejected} strings; a prompt that is more than one user turn also keeps its turns in
+    `prompt_messages` (rendered with the model's chat template by the consumers), while `prompt` holds their
+    contents joined by newlines for the text-level stages (filter, dedup, tokenizer) and template-less models."""
+    rec: dict[str, Any] = {"prompt": "\n".join(m["content"] for m in prompt), "chosen": chosen, "rejected": rejected}
+    if len(prompt) > 1 or prompt[0]["role"] != "user":
+        rec = {"prompt": rec["prompt"], "prompt_messages": prompt, "chosen": chosen, "rejected": rejected}
+    return rec
+
+
+def prompt_turns(rec: dict[str, Any]) -> list[dict[str, str]]:
+    """A preference record's prompt as chat turns: `prompt_messages`, else `prompt` as one user turn."""
+    msgs = rec.get("prompt_messages")
+    if isinstance(msgs, list) and msgs:
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    return [{"role": "user", "content": rec["prompt"]}]
 
 
 def normalize(kind: str, row: Any, columns: dict[str, str] | None = None) -> dict[str, Any]:
@@ -68,25 +198,9 @@ def normalize(kind: str, row: Any, columns: dict[str, str] | None = None) -> dic
     if kind == "text":
         return {"text": _string(row, "text", columns)}
     if kind == "chat":
-        for col in (_col(row, "messages", columns), "conversations"):
-            if col in row:
-                return {"messages": _messages(row[col], col)}
-        if _col(row, "instruction", columns) in row:
-            instruction = _string(row, "instruction", columns)
-            extra = row.get(_col(row, "input", columns)) or ""
-            if not isinstance(extra, str):
-                raise SchemaError(f"field {_col(row, 'input', columns)!r} must be a string")
-            user = f"{instruction}\n\n{extra}" if extra else instruction
-            msgs = []
-            if isinstance(row.get("system"), str) and row["system"]:
-                msgs.append({"role": "system", "content": row["system"]})
-            msgs += [{"role": "user", "content": user},
-                     {"role": "assistant", "content": _string(row, "output", columns)}]
-            return {"messages": msgs}
-        raise SchemaError("a chat row needs 'messages' (or 'conversations'), or instruction/input/output "
-                          f"fields (have: {', '.join(sorted(map(str, row))) or 'none'})")
+        return {"messages": _chat(row, columns)}
     if kind == "preference":
-        return {f: _string(row, f, columns) for f in ("prompt", "chosen", "rejected")}
+        return _preference(row, columns)
     raise SchemaError(f"unknown data kind {kind!r}")
 
 

@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from lmforge.config import StageConfig
 from lmforge.errors import ArtifactError, DataError, FailedAfterPublish
-from lmforge.records import iter_records
+from lmforge.records import iter_records, prompt_turns
 from lmforge.shards import iter_samples
 from lmforge.stage import Input, Port, Result, StageDef, StageRuntime
 from lmforge.store import Artifact, folder_fingerprint, sha256_file
@@ -459,7 +459,8 @@ def _read_texts(art: Artifact, s: PerplexitySet, where: str, notes: list[str]) -
 def _read_pairs(art: Artifact, p: PreferenceEval, where: str, notes: list[str]) -> list[dict[str, str]]:
     """The first max_pairs pairs of the split, without those with chosen == rejected (nothing to prefer: a
     tie would count as a loss for every model), which are counted in a note."""
-    read = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in islice(_records(art, p.split), p.max_pairs)]
+    read = [{k: r[k] for k in ("prompt", "prompt_messages", "chosen", "rejected") if k in r}
+            for r in islice(_records(art, p.split), p.max_pairs)]
     pairs = [r for r in read if r["chosen"] != r["rejected"]]
     if len(pairs) < len(read):
         notes.append(f"{p.name}: {len(read) - len(pairs)} of {len(read)} pairs have chosen == rejected and are "
@@ -722,7 +723,8 @@ def _score_tasks(c: Collected, model: str, lm: "HFLM", cfg: EvalConfig, tm: "Tas
 
 def _score_pairs(c: Collected, model: str, lm: "HFLM", cfg: EvalConfig, pairs: list[dict[str, str]]) -> None:
     sep = "" if cfg.apply_chat_template else cfg.preference.prompt_separator
-    contexts = [ev.format_prompt(lm, r["prompt"], cfg.apply_chat_template, model) + sep for r in pairs]
+    contexts = [ev.format_prompt(lm, prompt_turns(r) if cfg.apply_chat_template else r["prompt"],
+                                 cfg.apply_chat_template, model) + sep for r in pairs]
     what = f"{model}: {cfg.preference.name}"
     chosen = ev.continuation_logprobs(lm, [(ctx, r["chosen"]) for ctx, r in zip(contexts, pairs)], f"{what} chosen")
     rejected = ev.continuation_logprobs(lm, [(ctx, r["rejected"]) for ctx, r in zip(contexts, pairs)],

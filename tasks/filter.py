@@ -231,16 +231,24 @@ class Engine:
         res.pii["ip"] += ips
         return s
 
+    def _writable(self, s: str, res: ChunkResult) -> str:
+        s, n = fr.replace_surrogates(s)
+        res.surrogates += n
+        return s
+
     def _output(self, rec: dict[str, Any], clean: dict[str, str], res: ChunkResult) -> dict[str, Any]:
         """The kept record: checked fields as checked (and C4-cleaned), every string field PII-masked."""
         if self.kind != "chat":
-            return {**rec, **{k: self._mask(v, res) for k, v in clean.items()}}
+            out = {**rec, **{k: self._mask(v, res) for k, v in clean.items()}}
+            if isinstance(rec.get("prompt_messages"), list):  # a multi-turn preference prompt's turns (checked as
+                out["prompt_messages"] = [{**m, "content": self._mask(self._writable(m["content"], res), res)}
+                                          for m in rec["prompt_messages"]]  # `prompt`, their joined text)
+            return out
         msgs = []
         for i, m in enumerate(rec["messages"]):
             s = clean.get(f"messages[{i}].content")
             if s is None:  # a role the rules skip: still make it writable
-                s, n = fr.replace_surrogates(m["content"])
-                res.surrogates += n
+                s = self._writable(m["content"], res)
             msgs.append({**m, "content": self._mask(s, res)})
         return {**rec, "messages": msgs}
 

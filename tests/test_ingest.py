@@ -149,4 +149,5 @@ def test_unknown_extension_needs_format(tmp_path, kinds):
     with pytest.raises(DataError) as e:
         ingest(tmp_path, kinds, "data.csv")
     assert str(e.value) == ("datasets.src.path: cannot tell the format of "
-                            f"'{tmp_path / 'data.csv'}' from its name. set format: to one of jsonl, jsonl.gz, parquet, txt")
+                            f"'{tmp_path / 'data.csv'}' from its name. set format: to one of json, jsonl, jsonl.gz, parquet, txt, or point path at a "
+                            "folder written by datasets' save_to_disk")

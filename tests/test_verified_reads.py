@@ -296,11 +296,14 @@ def _write_raw(path: Path, fmt: str, rows: list[dict[str, str]]) -> None:
 
         pq.write_table(pa.Table.from_pylist(rows), path)
         return
+    if fmt == "json":  # one array, streamed
+        path.write_text(json.dumps(rows, indent=1))
+        return
     text = "".join(json.dumps(r) + "\n" for r in rows).encode()
     path.write_bytes(gzip.compress(text, mtime=0) if fmt == "jsonl.gz" else text)
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "parquet"])
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "parquet", "json"])
 def test_ingest_refuses_a_raw_file_that_changed_after_the_plan(tmp_path, kinds, fmt):
     rows = [{"text": f"document {i}: some words"} for i in range(30)]
     path = tmp_path / "data" / f"text.{fmt}"

@@ -33,6 +33,7 @@ import yaml
 
 from lmforge.errors import ConfigError, DataError
 from lmforge.log import Progress
+from lmforge.records import prompt_turns
 
 if TYPE_CHECKING:  # pragma: no cover
     from lm_eval.models.huggingface import HFLM
@@ -126,15 +127,16 @@ def free_lm() -> None:
         torch.cuda.empty_cache()
 
 
-def format_prompt(lm: "HFLM", text: str, chat: bool, model: str) -> str:
-    """The prompt as the model sees it: as is, or as one user turn through the tokenizer's chat template."""
+def format_prompt(lm: "HFLM", text: str | list[dict[str, str]], chat: bool, model: str) -> str:
+    """The prompt as the model sees it: as is, or through the tokenizer's chat template: a string as one user turn,
+    a list of turns (a multi-turn preference prompt) as they are."""
     if not chat:
-        return text
+        return text if isinstance(text, str) else "\n".join(m["content"] for m in text)
     if not getattr(lm.tokenizer, "chat_template", None):
         raise DataError(f"model {model}", "apply_chat_template is on, but its tokenizer has no chat template",
                         "Turn apply_chat_template off, or evaluate a model whose tokenizer_config.json has one")
-    return lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                            add_generation_prompt=True)
+    turns = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    return lm.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,15 +258,15 @@ def reward_model_scores(folder: Path, pairs: Sequence[dict[str, str]], *, batch_
     tok.padding_side = "right"
     chat = bool(tok.chat_template)
 
-    def ids(prompt: str, response: str) -> list[int]:
-        if chat:
-            out = tok.apply_chat_template([{"role": "user", "content": prompt},
-                                           {"role": "assistant", "content": response}], tokenize=True, return_dict=True)
+    def ids(pair: dict[str, Any], response: str) -> list[int]:
+        if chat:  # a multi-turn prompt keeps its turns (records' prompt_messages)
+            out = tok.apply_chat_template(prompt_turns(pair) + [{"role": "assistant", "content": response}],
+                                          tokenize=True, return_dict=True)
             return list(out["input_ids"])
         eos = tok.eos_token or ""
-        return tok(prompt + response + ("" if response.endswith(eos) else eos))["input_ids"]
+        return tok(pair["prompt"] + response + ("" if response.endswith(eos) else eos))["input_ids"]
 
-    texts = [ids(r["prompt"], r["chosen"]) for r in pairs] + [ids(r["prompt"], r["rejected"]) for r in pairs]
+    texts = [ids(r, r["chosen"]) for r in pairs] + [ids(r, r["rejected"]) for r in pairs]
     scores: list[float] = []
     progress = Progress(log, what, total=len(texts), unit="sequences")
     for i in range(0, len(texts), batch_size):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import DataError
+from lmforge.records import prompt_turns
 from lmforge.shards import ShardRef
 from trainer import checkpoint, data, models
 from trainer.args import training_args
@@ -81,7 +82,7 @@ def record_prompt(rec: dict[str, Any], conversational: bool, where: str) -> dict
         text = rec["prompt"]
         if answer is None and isinstance(rec.get("chosen"), str):
             answer = rec["chosen"]
-        return {"prompt": [{"role": "user", "content": text}] if conversational else text, "answer": answer}
+        return {"prompt": prompt_turns(rec) if conversational else text, "answer": answer}
     messages = rec.get("messages")
     if isinstance(messages, list) and messages:
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)

@@ -56,6 +56,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lmforge.errors import DataError
+from lmforge.records import prompt_turns
 from lmforge.shards import ShardRef
 from trainer import checkpoint, data, models
 from trainer.args import training_args
@@ -99,7 +100,7 @@ class Prompts:
 def record_prompt(rec: dict[str, Any], conversational: bool, where: str) -> str | list[dict[str, str]]:
     """A preference record's `prompt`, or a chat record's turns before its last assistant turn."""
     if isinstance(rec.get("prompt"), str):
-        return [{"role": "user", "content": rec["prompt"]}] if conversational else rec["prompt"]
+        return prompt_turns(rec) if conversational else rec["prompt"]
     messages = rec.get("messages")
     if isinstance(messages, list) and messages:
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import DataError
+from lmforge.records import prompt_turns
 from lmforge.shards import ShardRef
 from trainer import checkpoint, data, models
 from trainer.args import training_args
@@ -57,8 +58,9 @@ def preference_dataset(shards: list[ShardRef], where: str, conversational: bool,
                        max_records: int | None = None) -> Pairs:
     """Preference records {prompt, chosen, rejected} -> a TRL preference dataset, without identical pairs.
 
-    conversational: prompt becomes a user turn and chosen/rejected assistant turns, rendered by the
-    tokenizer's chat template (as in SFT); otherwise plain text, prompt + completion.
+    conversational: the prompt's turns (`prompt_messages`, else `prompt` as one user turn) and chosen/rejected
+    assistant turns, rendered by the tokenizer's chat template (as in SFT); otherwise plain text, prompt +
+    completion (a multi-turn prompt's contents joined by newlines).
     """
     import datasets
 
@@ -74,8 +76,8 @@ def preference_dataset(shards: list[ShardRef], where: str, conversational: bool,
         if rec["chosen"] == rec["rejected"]:
             identical += 1
             continue
-        if conversational:
-            rows.append({"prompt": [{"role": "user", "content": rec["prompt"]}],
+        if conversational:  # a multi-turn prompt keeps its turns (records' prompt_messages)
+            rows.append({"prompt": prompt_turns(rec),
                          "chosen": [{"role": "assistant", "content": rec["chosen"]}],
                          "rejected": [{"role": "assistant", "content": rec["rejected"]}]})
         else:
