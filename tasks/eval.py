@@ -62,8 +62,10 @@ MODEL_FOLDERS = ("", "model/")  # where a model artifact keeps its Hugging Face 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 TEXT_PORTS = {"shards", "records"}
 # direction of lmforge's own metrics; lm-eval's come with its results
-HIGHER_IS_BETTER = {"token_perplexity": False, "bits_per_byte": False, "accuracy": True, "reward_margin": True}
-MAIN_METRIC = {"perplexity": "bits_per_byte", "preference": "accuracy"}
+HIGHER_IS_BETTER = {"token_perplexity": False, "bits_per_byte": False, "accuracy": True, "reward_margin": True,
+                    "assistant_nll": False, "assistant_perplexity": False, "loglik_accuracy": True,
+                    "loglik_margin": True}
+MAIN_METRIC = {"perplexity": "bits_per_byte", "preference": "accuracy", "chat_loss": "assistant_nll"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,6 +103,16 @@ class PerplexitySet(BaseModel):
     max_docs: int | None = Field(None, gt=0, description="Score at most this many documents (the first ones).")
 
 
+class ChatLossSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("chat_loss", pattern=MODEL_NAME_RE, description="Task name in metric paths.")
+    input: str = Field(description="A stage in `inputs` with chat shards or chat records {messages}.")
+    split: Literal["train", "validation"] = Field("validation", description="Shard split to score (shards only).")
+    max_conversations: int | None = Field(None, gt=0, description="Score at most this many conversations (the "
+                                          "first ones).")
+
+
 class PreferenceEval(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -109,7 +121,8 @@ class PreferenceEval(BaseModel):
     split: Literal["train", "validation"] = Field("validation", description="Shard split (shards only).")
     reference: str | None = Field(None, description="The entry of `models` that is the reference policy (usually "
                                   "the SFT model): policies (dpo, ppo, grpo models) are scored by DPO's implicit "
-                                  "reward r = beta * (log pi - log ref) against it.")
+                                  "reward r = beta * (log pi - log ref) against it. Every model entry also gets "
+                                  "loglik_accuracy, by itself: chosen vs rejected log-likelihood per token.")
     models: list[str] | None = Field(None, description="Policy entries to score by implicit reward; default: every "
                                      "model but the reference.")
     reward_models: list[str] = Field(default_factory=list, description="Stages in `inputs` whose artifacts are "
@@ -154,6 +167,8 @@ class EvalConfig(StageConfig):
     device: str | None = Field(None, description="cpu, cuda, cuda:1...; default cuda when there is one (not part "
                                "of the artifact id).")
     perplexity: list[PerplexitySet] = Field(default_factory=list, description="Held-out text sets to score.")
+    chat_loss: list[ChatLossSet] = Field(default_factory=list, description="Held-out chat sets: each model's mean "
+                                         "NLL per assistant token (and perplexity), masked as SFT trains.")
     preference: PreferenceEval | None = Field(None, description="Held-out preference accuracy.")
     control_prompts: list[str] = Field(default_factory=list, description="Fixed prompts every model completes "
                                        "greedily, shown side by side.")
@@ -180,9 +195,6 @@ class EvalConfig(StageConfig):
         names = [m.name for m in info.data.get("models") or []]
         if p is None or not names:
             return p
-        if p.reference is None and not p.reward_models:
-            raise ValueError("set reference (a model entry: policies are scored by implicit DPO reward against it) "
-                             "and/or reward_models (reward stages in inputs)")
         if p.reference is None and p.models:
             raise ValueError("models are scored by implicit reward against a reference: set reference too")
         for ref in [*([p.reference] if p.reference else []), *(p.models or [])]:
@@ -192,8 +204,9 @@ class EvalConfig(StageConfig):
         if clash:
             raise ValueError(f"reward_models {', '.join(clash)}: a reward model's row is named after its stage, and "
                              "a model entry already has that name; rename the entry")
-        if p.name in {s.name for s in info.data.get("perplexity") or []}:
-            raise ValueError(f"name {p.name!r} is also a perplexity set's name; give it another")
+        if p.name in {s.name for s in info.data.get("perplexity") or []} | \
+                {s.name for s in info.data.get("chat_loss") or []}:
+            raise ValueError(f"name {p.name!r} is also a perplexity or chat_loss set's name; give it another")
         return p
 
     @field_validator("perplexity")
@@ -202,6 +215,16 @@ class EvalConfig(StageConfig):
         names = [s.name for s in v]
         if len(set(names)) != len(names):
             raise ValueError(f"perplexity set names must be unique: {', '.join(names)}")
+        return v
+
+    @field_validator("chat_loss")
+    @classmethod
+    def _unique_chat_sets(cls, v: list[ChatLossSet], info: ValidationInfo) -> list[ChatLossSet]:
+        names = [s.name for s in v]
+        taken = {s.name for s in info.data.get("perplexity") or []}
+        if len(set(names)) != len(names) or taken & set(names):
+            raise ValueError(f"chat_loss set names must be unique and differ from the perplexity sets': "
+                             f"{', '.join(names)}")
         return v
 
     @field_validator("gates")
@@ -225,6 +248,8 @@ class EvalConfig(StageConfig):
             if m["base"] is not None and m["base"] not in names:
                 m["base"] = _fingerprint_or_path(self.local_path(m["base"]), m["base"])
         s["task_dirs"] = [_fingerprint_or_path(self.local_path(d), d) for d in s["task_dirs"]]
+        if not s["chat_loss"]:
+            del s["chat_loss"]  # the default leaves earlier ids as they were
         s["shipped_tasks"] = _fingerprint_or_path(SHIPPED_TASKS, str(SHIPPED_TASKS)) if self.tasks else None
         return s
 
@@ -454,6 +479,18 @@ def _read_texts(art: Artifact, s: PerplexitySet, where: str, notes: list[str]) -
         raise DataError(where, f"{art.uri} has no {s.split} text to score",
                         "Shard with validation_fraction > 0, or set split: train")
     return texts
+
+
+def _read_conversations(art: Artifact, s: ChatLossSet, where: str, notes: list[str]) -> list[list[dict[str, Any]]]:
+    convs = [r["messages"] for r in islice(_records(art, s.split), s.max_conversations)]
+    if s.max_conversations and len(convs) < s.max_conversations:
+        notes.append(f"{s.name}: max_conversations {s.max_conversations} is more than the {len(convs)} "
+                     f"conversations of {art.kind}/{art.id}; scored all {len(convs)}")
+    convs = [m for m in convs if any(t.get("role") == "assistant" for t in m)]
+    if not convs:
+        raise DataError(where, f"{art.uri} has no {s.split} conversation with an assistant turn to score",
+                        "Shard with validation_fraction > 0, or set split: train")
+    return convs
 
 
 def _read_pairs(art: Artifact, p: PreferenceEval, where: str, notes: list[str]) -> list[dict[str, str]]:
@@ -698,6 +735,22 @@ def _score_perplexity(c: Collected, model: str, lm: "HFLM", s: PerplexitySet, te
              p.token_perplexity, p.bits_per_byte, p.docs, p.tokens, p.tokens_per_second)
 
 
+def _score_chat_loss(c: Collected, model: str, lm: "HFLM", s: ChatLossSet, convs: list[list[dict[str, Any]]],
+                     batch_size: int) -> None:
+    r = ev.chat_loss(lm, convs, model=model, batch_size=batch_size, what=f"{model}: {s.name}")
+    c.scores[model][s.name] = r.metrics()
+    info = c.tasks.setdefault(s.name, {"task": s.name, "kind": "chat_loss", "input": s.input, "split": s.split,
+                                       "conversations": len(convs), "assistant_tokens": {}, "skipped": {}})
+    info["assistant_tokens"][model] = r.tokens
+    info["skipped"][model] = r.skipped
+    if r.skipped:
+        c.note(f"{s.name}: {model}: {r.skipped} conversation(s) have no assistant token within the model's "
+               f"max_length {lm.max_length} and are not scored")
+    c.main_metric.setdefault(s.name, MAIN_METRIC["chat_loss"])
+    log.info("model %s: %s %.4f nats per assistant token (perplexity %.3f) over %d tokens of %d conversations, "
+             "%.1fs", model, s.name, r.nll, math.exp(r.nll), r.tokens, r.conversations, r.seconds)
+
+
 def _score_tasks(c: Collected, model: str, lm: "HFLM", cfg: EvalConfig, tm: "TaskManager", results_json: Path,
                  describe: dict[str, str]) -> None:
     results = ev.run_tasks(lm, tm, cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit, seed=cfg.seed,
@@ -726,22 +779,28 @@ def _score_pairs(c: Collected, model: str, lm: "HFLM", cfg: EvalConfig, pairs: l
     contexts = [ev.format_prompt(lm, prompt_turns(r) if cfg.apply_chat_template else r["prompt"],
                                  cfg.apply_chat_template, model) + sep for r in pairs]
     what = f"{model}: {cfg.preference.name}"
-    chosen = ev.continuation_logprobs(lm, [(ctx, r["chosen"]) for ctx, r in zip(contexts, pairs)], f"{what} chosen")
-    rejected = ev.continuation_logprobs(lm, [(ctx, r["rejected"]) for ctx, r in zip(contexts, pairs)],
-                                        f"{what} rejected")
-    c.pair_logprobs[model] = ev.PairLogprobs(chosen, rejected)
+    chosen_pairs = [(ctx, r["chosen"]) for ctx, r in zip(contexts, pairs)]
+    rejected_pairs = [(ctx, r["rejected"]) for ctx, r in zip(contexts, pairs)]
+    chosen = ev.continuation_logprobs(lm, chosen_pairs, f"{what} chosen")
+    rejected = ev.continuation_logprobs(lm, rejected_pairs, f"{what} rejected")
+    c.pair_logprobs[model] = ev.PairLogprobs(chosen, rejected, ev.continuation_tokens(lm, chosen_pairs),
+                                             ev.continuation_tokens(lm, rejected_pairs))
 
 
 def _preference_accuracy(c: Collected, pref: PreferenceEval, scored: list[str], n_pairs: int) -> None:
-    """Policies: implicit DPO reward against the reference (their log-probs were gathered model by model)."""
+    """Every model by itself: loglik_accuracy; policies: implicit DPO reward against the reference (their
+    log-probs were gathered model by model)."""
+    for model, lp in c.pair_logprobs.items():
+        c.scores[model].setdefault(pref.name, {}).update(ev.loglik_accuracy(lp))
     if pref.reference is not None:
         ref = c.pair_logprobs[pref.reference]
         for model in scored:
-            c.scores[model][pref.name] = ev.implicit_reward_accuracy(c.pair_logprobs[model], ref, pref.beta)
-    c.main_metric[pref.name] = MAIN_METRIC["preference"]
+            c.scores[model][pref.name].update(ev.implicit_reward_accuracy(c.pair_logprobs[model], ref, pref.beta))
+    c.main_metric[pref.name] = MAIN_METRIC["preference"] if scored else "loglik_accuracy"
     c.tasks[pref.name] = {"task": pref.name, "kind": "preference", "input": pref.input, "split": pref.split,
                           "reference": pref.reference, "beta": pref.beta, "pairs": n_pairs,
-                          "implicit_dpo": scored, "reward_models": list(pref.reward_models)}
+                          "implicit_dpo": scored, "reward_models": list(pref.reward_models),
+                          "loglik": sorted(c.pair_logprobs)}
 
 
 def _score_reward_models(c: Collected, cfg: EvalConfig, by_input: dict[str, Input], pairs: list[dict[str, str]],
@@ -774,6 +833,8 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
     models = resolve_models(cfg, by_input, where)
     texts = {s.name: _read_texts(by_input[s.input], s, f"{where}perplexity[{i}]", c.notes)
              for i, s in enumerate(cfg.perplexity)}
+    convs = {s.name: _read_conversations(by_input[s.input], s, f"{where}chat_loss[{i}]", c.notes)
+             for i, s in enumerate(cfg.chat_loss)}
     pref = cfg.preference
     pairs = _read_pairs(by_input[pref.input], pref, f"{where}preference", c.notes) if pref else []
     scored_pairs = [] if pref is None or pref.reference is None else (
@@ -791,9 +852,11 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
         c.scores[name] = {}
         for s in cfg.perplexity:
             _score_perplexity(c, name, lm, s, texts[s.name])
+        for s in cfg.chat_loss:
+            _score_chat_loss(c, name, lm, s, convs[s.name], cfg.batch_size)
         if cfg.tasks:
             _score_tasks(c, name, lm, cfg, tm, out / "results" / f"{name}.json", src.describe())
-        if pref is not None and (name == pref.reference or name in scored_pairs):
+        if pref is not None:  # every model: loglik_accuracy; the reference and policies: implicit reward too
             _score_pairs(c, name, lm, cfg, pairs)
         if cfg.control_prompts:
             prompts = [ev.format_prompt(lm, p, cfg.apply_chat_template, name) for p in cfg.control_prompts]
@@ -843,6 +906,10 @@ def output_port(cfg: EvalConfig, inputs: list[Port]) -> Port:
         p = ports.get(s.input, Port("?"))
         need(s.input, f"perplexity[{i}].input", p.type in TEXT_PORTS and p.data_kind == "text",
              "text shards or text records (ingest a raw dataset first)")
+    for i, s in enumerate(cfg.chat_loss):
+        p = ports.get(s.input, Port("?"))
+        need(s.input, f"chat_loss[{i}].input", p.type in TEXT_PORTS and p.data_kind == "chat",
+             "chat shards or chat records (ingest a chat dataset first)")
     if cfg.preference is not None:
         p = ports.get(cfg.preference.input, Port("?"))
         need(cfg.preference.input, "preference.input", p.type in TEXT_PORTS and p.data_kind == "preference",
@@ -853,8 +920,8 @@ def output_port(cfg: EvalConfig, inputs: list[Port]) -> Port:
                  "a reward model (the output of a reward stage)")
     unused = [n for n in cfg.inputs if n not in used]
     if unused:
-        raise ValueError(f"input(s) {', '.join(unused)} not used; name each in models (input:), perplexity or "
-                         "preference")
+        raise ValueError(f"input(s) {', '.join(unused)} not used; name each in models (input:), perplexity, "
+                         "chat_loss or preference")
     return Port("eval")
 
 

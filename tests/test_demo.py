@@ -84,11 +84,16 @@ def test_demo_runs_end_to_end_and_each_training_stage_improves_held_out_scores(t
     # held-out pairs: the reward artifact scores them as the reward stage did; the policies against sft
     assert scores["reward"]["preference"]["accuracy"] == pytest.approx(result["reward"]["eval_reward_accuracy"],
                                                                       abs=1e-6)
-    assert "preference" in dpo and "preference" in ppo and "preference" not in tuned  # sft is the reference
+    assert "accuracy" in dpo["preference"] and "accuracy" in ppo["preference"]
+    assert "accuracy" not in tuned["preference"]  # sft is the reference; every model has its own loglik accuracy
+    assert all(0 <= scores[m]["preference"]["loglik_accuracy"] <= 1 for m in ("base", "sft", "dpo", "ppo"))
+    # held-out chat turns: the base never saw one, sft learned them, dpo and ppo stay close to sft
+    nll = {m: scores[m]["chat_loss"]["assistant_nll"] for m in ("base", "sft", "dpo", "ppo")}
+    assert nll["sft"] < nll["base"] / 2 and abs(nll["dpo"] - nll["sft"]) < 0.5 and abs(nll["ppo"] - nll["sft"]) < 0.5
     # held-out plain text is scored for every model; the pretrained base fits it best (sft trains on chat turns)
     assert all(0 < scores[m]["text_ppl"]["bits_per_byte"] < 8 for m in ("base", "sft", "dpo", "ppo"))
     assert base["text_ppl"]["bits_per_byte"] < tuned["text_ppl"]["bits_per_byte"]
-    assert ev["gates_failed"] == 0 and len(ev["gates"]) == 4 and all(g["passed"] for g in ev["gates"])
+    assert ev["gates_failed"] == 0 and len(ev["gates"]) == 5 and all(g["passed"] for g in ev["gates"])
 
 
 def test_without_adapter_needs_a_training_stage_and_keeps_earlier_eval_ids():

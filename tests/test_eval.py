@@ -324,10 +324,138 @@ def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds
     assert r.eval["seven"]["preference"]["accuracy"] == 0.75
     assert r.eval["five"]["preference"]["accuracy"] == 0.25
     assert r.eval["seven"]["preference"]["reward_margin"] > 0 > r.eval["five"]["preference"]["reward_margin"]
-    assert "preference" not in r.eval["base"]  # the reference is not scored against itself
+    # the reference is not scored against itself; every model gets log-likelihood accuracy by itself
+    assert set(r.eval["base"]["preference"]) == {"loglik_accuracy", "loglik_margin", "loglik_accuracy_stderr",
+                                                 "loglik_margin_stderr"}
+    assert r.eval["seven"]["preference"]["loglik_accuracy"] == 0.75  # " 7" per token above " 5" on every pair
+    assert r.eval["five"]["preference"]["loglik_accuracy"] == 0.25
     assert [t for t in r.tasks if t["task"] == "preference"] == [
         {"task": "preference", "kind": "preference", "input": "ingest", "split": "validation", "reference": "base",
-         "beta": 0.1, "pairs": 4, "implicit_dpo": ["seven", "five"], "reward_models": []}]
+         "beta": 0.1, "pairs": 4, "implicit_dpo": ["seven", "five"], "reward_models": [],
+         "loglik": ["base", "five", "seven"]}]
+
+
+def test_loglik_accuracy_is_length_normalised():
+    # chosen: -6 over 3 tokens (-2/token); rejected: -4 over 1 token (-4/token): chosen wins although its sum is lower
+    p = ev.PairLogprobs(chosen=[-6.0, -1.0], rejected=[-4.0, -0.5], chosen_tokens=[3, 1], rejected_tokens=[1, 1])
+    out = ev.loglik_accuracy(p)
+    assert out["loglik_accuracy"] == 0.5 and out["loglik_margin"] == pytest.approx(((-2 + 4) + (-1 + 0.5)) / 2)
+
+
+def test_preference_without_reference_scores_loglik_only(tmp_path, kinds, models):
+    pairs = [{"prompt": "What is 3 plus 4?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
+             {"prompt": "What is 1 plus 4?", "chosen": "Answer: 5", "rejected": "Answer: 7"}]
+    write_jsonl(tmp_path / "data" / "prefs.jsonl", pairs)
+    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
+           "datasets": {"prefs": {"path": "data/prefs.jsonl", "kind": "preference"}},
+           "stages": {"ingest": {"kind": "ingest", "inputs": ["prefs"]}}}
+    plan = run_stages(tmp_path, raw, ["ingest"], kinds)
+    records = plan.store.require("ingest", plan.stages["ingest"].artifact_id)
+    cfg = cfg_of(inputs=["ingest"], models=[{"name": "seven", "base": str(models["seven"])}],
+                 preference={"input": "ingest"}, gates=[])
+    out = tmp_path / "out"
+    out.mkdir()
+    r = ev_stage.run(cfg, [records], out)
+    assert r.eval["seven"]["preference"]["loglik_accuracy"] == 0.5 and "accuracy" not in r.eval["seven"]["preference"]
+
+
+# ----------------------------------------------------------------------------------------------
+# held-out chat loss
+
+
+def chat_model(models: dict[str, Path], name: str, root: Path) -> Path:
+    """A copy of a test model whose tokenizer has a ChatML-style template with {% generation %} markers."""
+    from transformers import AutoTokenizer
+
+    from trainer.chat_templates import chatml
+
+    dest = root / f"{name}-chat"
+    if not dest.exists():
+        shutil.copytree(models[name], dest)
+        tok = AutoTokenizer.from_pretrained(dest)
+        tok.chat_template = chatml(start="<s>", end="<|endoftext|>")
+        tok.save_pretrained(dest)
+    return dest
+
+
+CONVERSATIONS = [[{"role": "user", "content": f"What is {a} plus {b}?"},
+                  {"role": "assistant", "content": "Answer: 7"}] for a, b in ((3, 4), (2, 5), (6, 1))] + [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 plus 6?"},
+     {"role": "assistant", "content": "Answer: 7"}, {"role": "user", "content": "And 2 plus 5?"},
+     {"role": "assistant", "content": "Answer: 7"}]]
+
+
+def test_chat_loss_equals_sft_trainers_eval_loss_on_assistant_tokens(tmp_path, models):
+    """The NLL per assistant token is TRL's own: SFTTrainer(assistant_only_loss=True).evaluate() on one
+    conversation at a time gives each conversation's mean, and batching with padding changes nothing."""
+    from datasets import Dataset
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    folder = chat_model(models, "seven", tmp_path)
+    lm = HFLM(pretrained=str(folder), batch_size=4, device="cpu")
+    batched = ev.chat_loss(lm, CONVERSATIONS, model="seven", batch_size=4)
+    singles = [ev.chat_loss(lm, [c], model="seven", batch_size=1) for c in CONVERSATIONS]
+    assert batched.conversations == 4 and batched.skipped == 0
+    assert batched.tokens == sum(x.tokens for x in singles)
+    assert batched.nll == pytest.approx(sum(x.nll * x.tokens for x in singles) / batched.tokens, rel=1e-5)
+    # the masked tokens are each reply and its end-of-turn token, nothing of the user's turn
+    tok = AutoTokenizer.from_pretrained(folder)
+    enc = tok.apply_chat_template(CONVERSATIONS[3], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert tok.decode([i for i, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]) == \
+        "Answer: 7<|endoftext|>Answer: 7<|endoftext|>"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, per_device_eval_batch_size=1,
+                     report_to=[], use_cpu=True, max_length=64, bf16=False)
+    for conv, single in zip(CONVERSATIONS, singles):
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([{"messages": conv}]),
+                             eval_dataset=Dataset.from_list([{"messages": conv}]), processing_class=tok)
+        assert trainer.evaluate()["eval_loss"] == pytest.approx(single.nll, rel=1e-4)
+
+
+def test_chat_loss_in_the_eval_stage_ranks_the_models(tmp_path, kinds, models):
+    """Held-out conversations whose replies are all "Answer: 7": `seven` beats `five`, with a stderr, and a gate
+    can use the metric."""
+    write_jsonl(tmp_path / "data" / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
+           "datasets": {"chat": {"path": "data/chat.jsonl", "kind": "chat"}},
+           "stages": {"ingest": {"kind": "ingest", "inputs": ["chat"]}}}
+    plan = run_stages(tmp_path, raw, ["ingest"], kinds)
+    records = plan.store.require("ingest", plan.stages["ingest"].artifact_id)
+    cfg = cfg_of(inputs=["ingest"], models=[{"name": "five", "base": str(chat_model(models, "five", tmp_path))},
+                                            {"name": "seven", "base": str(chat_model(models, "seven", tmp_path))}],
+                 chat_loss=[{"input": "ingest", "name": "held_out_chat"}],
+                 gates=[{"metric": "five/held_out_chat/assistant_nll", "against": "seven", "max_regression": 0.0,
+                         "stderr_k": 0}])
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(FailedAfterPublish) as e:
+        ev_stage.run(cfg, [records], out)
+    r = e.value.result
+    seven, five = r.eval["seven"]["held_out_chat"], r.eval["five"]["held_out_chat"]
+    assert seven["assistant_nll"] < five["assistant_nll"]
+    assert seven["assistant_perplexity"] == pytest.approx(math.exp(seven["assistant_nll"]))
+    assert seven["assistant_nll_stderr"] > 0
+    assert r.gates_failed == 1 and "five/held_out_chat/assistant_nll" in r.gates[0]["message"]
+    info = next(t for t in r.tasks if t["task"] == "held_out_chat")
+    assert info["kind"] == "chat_loss" and info["conversations"] == 4 and info["skipped"] == {"five": 0, "seven": 0}
+    assert "held_out_chat" in (out / "comparison.md").read_text()
+
+
+def test_chat_loss_needs_a_chat_template_and_chat_input(tmp_path, kinds, models):
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(models["seven"]), batch_size=1, device="cpu")  # no chat template
+    with pytest.raises(DataError, match="chat_loss needs a chat template"):
+        ev.chat_loss(lm, CONVERSATIONS, model="seven", batch_size=1)
+    raw = basic_config(tmp_path)
+    raw["stages"]["eval"] = {"kind": "eval", "inputs": ["shard"], "models": [{"name": "base", "base": "/m"}],
+                             "chat_loss": [{"input": "shard"}]}
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw, kinds, root=tmp_path)
+    assert e.value.problems == ["stages.eval.inputs: chat_loss[0].input 'shard' is text shards; it needs chat shards "
+                                "or chat records (ingest a chat dataset first)"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,7 +593,7 @@ def test_config_problems_are_reported_with_their_paths(tmp_path, kinds):
     with pytest.raises(ConfigError) as e:
         parse_config(raw, kinds, root=tmp_path)
     assert e.value.problems == ["stages.eval.inputs: input(s) shard not used; name each in models (input:), "
-                                "perplexity or preference"]
+                                "perplexity, chat_loss or preference"]
     raw["stages"]["eval"] = {"kind": "eval", "models": [{"name": "base", "base": "/m"}],
                              "gates": [{"metric": "base/t/acc", "against": "bse", "max_regression": 0}]}
     with pytest.raises(ConfigError) as e:

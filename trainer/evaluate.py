@@ -4,8 +4,12 @@
   for every measurement below.
 - `perplexity`: token perplexity and bits per byte of held-out texts, scored by lm-eval's own
   `HFLM.loglikelihood_rolling` (the code path of lm-eval's perplexity tasks such as wikitext).
+- `chat_loss`: held-out chat loss, the mean NLL per assistant token (and its perplexity) of chat
+  conversations, rendered with the model's own chat template and masked like SFT trains (TRL's
+  `assistant_only_loss`: `apply_chat_template(..., return_assistant_tokens_mask=True)`).
 - `continuation_logprobs` / `implicit_reward_accuracy`: held-out preference accuracy of a policy
-  against a reference model (DPO's implicit reward).
+  against a reference model (DPO's implicit reward); `loglik_accuracy`: of any model by itself, chosen vs
+  rejected log-likelihood per token.
 - `reward_model_scores` / `reward_model_accuracy`: held-out preference accuracy of a reward model
   (a `reward` stage's artifact), by its scores of chosen and rejected.
 - `generate`: greedy control generations.
@@ -187,6 +191,109 @@ def perplexity(lm: "HFLM", texts: Sequence[str], what: str = "perplexity") -> Pe
 
 
 # ----------------------------------------------------------------------------------------------
+# held-out chat loss
+
+
+@dataclass(frozen=True)
+class ChatLoss:
+    conversations: int  # scored: those with at least one assistant token within max_length
+    skipped: int  # conversations with no assistant token within max_length (nothing to score)
+    tokens: int  # assistant tokens scored
+    nll: float  # mean natural-log NLL per assistant token, over all scored tokens
+    nll_stderr: float | None  # ratio-estimator standard error (conversations are the sampling unit)
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        out = {"assistant_nll": self.nll, "assistant_perplexity": math.exp(self.nll)}
+        if self.nll_stderr is not None:  # perplexity's by the delta method: d exp(x) = exp(x) dx
+            out.update({"assistant_nll_stderr": self.nll_stderr,
+                        "assistant_perplexity_stderr": math.exp(self.nll) * self.nll_stderr})
+        return out
+
+
+def ratio_stderr(sums: Sequence[float], counts: Sequence[int]) -> float | None:
+    """Standard error of sum(sums) / sum(counts) when the (sum, count) pairs are the samples: the ratio
+    estimator's sqrt(sum (x_i - r n_i)^2 / (k (k-1))) / mean(n). Each conversation is one sample, so a long
+    conversation does not count as many independent tokens."""
+    k = len(sums)
+    if k < 2:
+        return None
+    r = sum(sums) / sum(counts)
+    mean_n = sum(counts) / k
+    return math.sqrt(sum((x - r * n) ** 2 for x, n in zip(sums, counts)) / (k * (k - 1))) / mean_n
+
+
+def assistant_template(tok: Any, conversations: Sequence[list[dict[str, Any]]], model: str) -> str:
+    """The chat template that marks assistant tokens, as SFT trains with it: the tokenizer's own when it has
+    {% generation %} markers, else the marked copy that renders these conversations byte-identical."""
+    from trainer.chat_templates import training_template
+    from trainer.errors import SettingError
+
+    if not getattr(tok, "chat_template", None):
+        raise DataError(f"model {model}", "chat_loss needs a chat template, and its tokenizer has none",
+                        "evaluate chat_loss on models whose tokenizer_config.json has a chat template (a tokenizer "
+                        "stage's output or a chat model), or drop chat_loss")
+    try:
+        return training_template(tok, list(conversations[:20])) or tok.chat_template
+    except SettingError as e:
+        raise DataError(f"model {model}", f"chat_loss cannot tell assistant tokens: {e}",
+                        "use a tokenizer whose chat template has {% generation %} markers") from None
+
+
+def chat_loss(lm: "HFLM", conversations: Sequence[list[dict[str, Any]]], *, model: str, batch_size: int,
+              what: str = "chat loss") -> ChatLoss:
+    """NLL per assistant token of each conversation, the way TRL's SFTTrainer computes its training loss with
+    `assistant_only_loss=True`: the conversation rendered and tokenized by the chat template with the
+    assistant mask, truncated to the first `lm.max_length` tokens, each masked token predicted from the ones
+    before it. Rows are batched by length (right padding, ignored by the attention mask)."""
+    import torch
+
+    t0 = time.monotonic()
+    tok = lm.tokenizer
+    template = assistant_template(tok, conversations, model)
+    encoded: list[tuple[list[int], list[int]]] = []
+    for messages in conversations:
+        enc = tok.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True, chat_template=template)
+        ids, mask = list(enc["input_ids"])[:lm.max_length], list(enc["assistant_masks"])[:lm.max_length]
+        encoded.append((ids, mask))
+    keep = [i for i, (_ids, mask) in enumerate(encoded) if any(mask[1:])]
+    order = sorted(keep, key=lambda i: len(encoded[i][0]))  # similar lengths together: little padding
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    model_ = lm.model
+    device = lm.device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    progress = Progress(log, what, total=len(order), unit="conversations")
+    with torch.no_grad():
+        for b in range(0, len(order), batch_size):
+            rows = order[b:b + batch_size]
+            width = max(len(encoded[i][0]) for i in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            attn = torch.zeros((len(rows), width), dtype=torch.long)
+            amask = torch.zeros((len(rows), width), dtype=torch.bool)
+            for j, i in enumerate(rows):
+                n = len(encoded[i][0])
+                ids[j, :n] = torch.tensor(encoded[i][0])
+                attn[j, :n] = 1
+                amask[j, :n] = torch.tensor(encoded[i][1], dtype=torch.bool)
+            logits = model_(input_ids=ids.to(device), attention_mask=attn.to(device)).logits[:, :-1].float()
+            target = ids[:, 1:].to(device)
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+            m = amask[:, 1:].to(device)
+            for j, i in enumerate(rows):
+                sums[i] = float(nll[j][m[j]].sum())
+                counts[i] = int(m[j].sum())
+            progress.update(len(rows))
+    progress.done()
+    xs, ns = [sums[i] for i in keep], [counts[i] for i in keep]
+    tokens = sum(ns)
+    return ChatLoss(conversations=len(keep), skipped=len(encoded) - len(keep), tokens=tokens,
+                    nll=sum(xs) / tokens if tokens else float("nan"), nll_stderr=ratio_stderr(xs, ns),
+                    seconds=time.monotonic() - t0)
+
+
+# ----------------------------------------------------------------------------------------------
 # preference accuracy
 
 
@@ -210,6 +317,27 @@ def continuation_logprobs(lm: "HFLM", pairs: Sequence[tuple[str, str]], what: st
 class PairLogprobs:
     chosen: list[float]
     rejected: list[float]
+    chosen_tokens: list[int] | None = None  # continuation lengths in tokens, where known
+    rejected_tokens: list[int] | None = None
+
+
+def continuation_tokens(lm: "HFLM", pairs: Sequence[tuple[str, str]]) -> list[int]:
+    """How many tokens each continuation is, tokenized as `loglikelihood` tokenizes the pair."""
+    return [len(lm._encode_pair(c, x)[1]) for c, x in pairs]
+
+
+def loglik_accuracy(p: PairLogprobs) -> dict[str, float]:
+    """A model by itself, no reference: a pair counts as preferred when the chosen response's log-likelihood
+    per token is higher than the rejected one's (length-normalised, so a short answer does not win by being
+    short). `loglik_margin` is the mean per-token difference in nats."""
+    margins = [c / max(nc, 1) - r / max(nr, 1) for c, r, nc, nr in
+               zip(p.chosen, p.rejected, p.chosen_tokens, p.rejected_tokens, strict=True)]
+    acc, acc_se = mean_and_stderr([1.0 if m > 0 else 0.0 for m in margins])
+    margin, margin_se = mean_and_stderr(margins)
+    out = {"loglik_accuracy": acc, "loglik_margin": margin}
+    if acc_se is not None:
+        out.update({"loglik_accuracy_stderr": acc_se, "loglik_margin_stderr": margin_se})
+    return out
 
 
 def mean_and_stderr(xs: Sequence[float]) -> tuple[float, float | None]:
