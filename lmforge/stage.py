@@ -51,6 +51,10 @@ class TrainedResult(Result):
     deterministic: bool  # deterministic algorithms on, and no op without a deterministic version ran
     nondeterminism: list[str]  # why not, when not: the setting, or each op torch warned about
     cpu_threads: int  # math threads per training process (the sums' order on CPU)
+    # trainer/batching.PaddingMeter, rank 0: the share of computed tokens that were padding, and real tokens/s;
+    # None where the trainer has no training_step to measure (ppo's own loop)
+    padding_fraction: float | None = None
+    nonpad_tokens_per_s: float | None = None
 
 
 def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:

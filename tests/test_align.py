@@ -245,7 +245,8 @@ def test_eval_scores_reward_and_dpo_models_on_held_out_pairs(root, kinds_module)
     rm, dpo_r, r = artifact(plan, "rm").result, artifact(plan, "dpo").result, artifact(plan, "eval").result
     scores = r["eval"]
     assert set(scores) == {"sft", "dpo", "rm"}
-    assert "preference" not in scores["sft"]  # the reference
+    assert "accuracy" not in scores["sft"]["preference"]  # the reference: by itself only (loglik_accuracy)
+    assert scores["dpo"]["preference"]["loglik_accuracy"] >= scores["sft"]["preference"]["loglik_accuracy"]
     # 20 validation records: 19 usable pairs and one with chosen == rejected, skipped and noted
     assert "preference: 1 of 20 pairs have chosen == rejected and are skipped" in r["notes"]
     task = next(t for t in r["tasks"] if t["task"] == "preference")

@@ -23,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer import checkpoint, models
+from trainer import batching, checkpoint, models
 from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
@@ -99,6 +99,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
                          eval_dataset=eval_ds, processing_class=tokenizer, peft_config=peft_config,
                          callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
+    batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
+    meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
     # TRL drops them silently: the prompt alone reaches max_length_tokens, no completion token would be left
     dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
                                   f"with a prompt of max_length_tokens {s.max_length_tokens} or more")
@@ -144,6 +146,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "eval_margin": ev.get("eval_rewards/margins"),
         "train_seconds": round(metrics.train_seconds, 2),
         "peak_memory_mb": round(peak_memory_mb(), 1),
+        **meter.result(metrics.train_seconds),
         "trainable_parameters": trainable,
         "resumed_from_step": spec.resume_step or 0,
         "checkpoints_uploaded": ckpt.uploaded,

@@ -34,7 +34,7 @@ from typing import Any
 from lmforge.errors import DataError
 from lmforge.records import prompt_turns
 from lmforge.shards import ShardRef
-from trainer import checkpoint, data, models
+from trainer import batching, checkpoint, data, models
 from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
@@ -348,6 +348,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
                           peft_config=peft_config, callbacks=[ckpt, metrics])
     trainer.reward_func_names = list(rewards.names)  # stable metric names: rewards/<name>/mean
     trainer.remove_callback(PrinterCallback)
+    meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
 
     # 7. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
     state = checkpoint.train_resumable(trainer, spec, ckpt)
@@ -414,6 +415,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "eval_reward_by_source_trained": after["per_reward"],
         "train_seconds": round(metrics.train_seconds, 2),
         "peak_memory_mb": round(peak_memory_mb(), 1),
+        **meter.result(metrics.train_seconds),
         "trainable_parameters": trainable,
         "resumed_from_step": spec.resume_step or 0,
         "checkpoints_uploaded": ckpt.uploaded,

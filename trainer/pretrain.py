@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import DataError
-from trainer import checkpoint, models, stream
+from trainer import batching, checkpoint, models, stream
 from trainer.args import training_args
 from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import MetricsCallback, peak_memory_mb
@@ -97,6 +97,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
     trainer = _trainer_class()(model=model, args=args, train_dataset=train_ds, data_collator=stream.collate,
                                processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
+    meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
 
     # 5. validation loss of the starting model (a resumed run's too: the checkpoint loads inside train)
     before = validation_loss(model, held_out, s.batch_size_per_device) if held_out else None
@@ -142,6 +143,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "validation_perplexity_after": _perplexity(after),
         "parameters": sum(p.numel() for p in model.parameters()),
         "peak_memory_mb": round(peak_memory_mb(), 1),
+        **meter.result(metrics.train_seconds),
         "resumed_from_step": spec.resume_step or 0,
         "checkpoints_uploaded": ckpt.uploaded,
     }

@@ -24,7 +24,7 @@ from typing import Any
 from lmforge.errors import DataError
 from lmforge.records import prompt_turns
 from lmforge.shards import ShardRef
-from trainer import checkpoint, data, models
+from trainer import batching, checkpoint, data, models
 from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
@@ -245,6 +245,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
     trainer = RewardTrainer(model=model, args=args, train_dataset=train_pairs.dataset, eval_dataset=eval_ds,
                             processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
+    batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
+    meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
     # TRL drops them silently: prompt + chosen or prompt + rejected longer than max_length_tokens
     dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
                                   f"longer than max_length_tokens {s.max_length_tokens}")
@@ -296,6 +298,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "eval_margin": ev.get("eval_margin"),
         "train_seconds": round(metrics.train_seconds, 2),
         "peak_memory_mb": round(peak_memory_mb(), 1),
+        **meter.result(metrics.train_seconds),
         "trainable_parameters": trainable,
         "resumed_from_step": spec.resume_step or 0,
         "checkpoints_uploaded": ckpt.uploaded,

@@ -115,7 +115,18 @@ class TrainSettings(BaseModel):
         return check_preset_name(info.field_name, v)
 
 
-class SftSettings(TrainSettings):
+class GroupedBatchSettings(TrainSettings):
+    """Length-grouped micro-batches (trainer/batching.py): sft, reward and dpo, whose collators pad each
+    micro-batch to its longest row."""
+
+    group_by_length: bool = Field(True, description="Form each micro-batch from rows of similar length (a seeded "
+                                  "shuffle, then sorted within a bounded buffer), so little compute goes to padding. "
+                                  "Resume stays exact. false: the Trainer's random order.")
+    length_group_buffer: int = Field(64, gt=0, description="Micro-batches per shuffle buffer that group_by_length "
+                                     "sorts by length: larger groups tighter, smaller mixes the data more.")
+
+
+class SftSettings(GroupedBatchSettings):
     """Every setting of an sft stage but kind and inputs."""
 
     assistant_only_loss: bool = Field(True, description="Loss on assistant tokens only (needs a chat template with "
@@ -126,7 +137,7 @@ class SftSettings(TrainSettings):
         "bfd", description="bfd: best-fit decreasing, whole conversations; wrapped: cut across conversations.")
 
 
-class RewardSettings(TrainSettings):
+class RewardSettings(GroupedBatchSettings):
     """Every setting of a reward stage but kind and inputs."""
 
     center_rewards_coefficient: float | None = Field(
@@ -134,7 +145,7 @@ class RewardSettings(TrainSettings):
         "(TRL center_rewards_coefficient; 0.01 is the usual value); null: no penalty.")
 
 
-class DpoSettings(TrainSettings):
+class DpoSettings(GroupedBatchSettings):
     """Every setting of a dpo stage but kind and inputs."""
 
     beta: float = Field(0.1, gt=0, description="DPO beta: how far the policy may move from the reference model; "

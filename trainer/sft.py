@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer import chat_templates, checkpoint, data, distributed, models
+from trainer import batching, chat_templates, checkpoint, data, distributed, models
 from trainer.args import training_args
 from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import MetricsCallback, peak_memory_mb
@@ -54,6 +54,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
     trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
+    batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
+    meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
     dropped = 0 if s.packing else len(train_ds) - len(trainer.train_dataset)
     if dropped:  # TRL drops them silently: truncation to max_length_tokens left no assistant token to learn from
         log.warning("%d of %d conversations have no assistant token within max_length_tokens %d and are skipped",
@@ -93,6 +95,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "tokens_per_s": round((metrics.tokens_end - metrics.tokens_begin) / max(metrics.train_seconds, 1e-9), 1),
         "train_seconds": round(metrics.train_seconds, 2),
         "peak_memory_mb": round(peak_memory_mb(), 1),
+        **meter.result(metrics.train_seconds),
         "trainable_parameters": trainable,
         "quantized_linear_layers": quantized,
         "resumed_from_step": spec.resume_step or 0,
