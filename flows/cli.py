@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flows.status import add_parsers
 
     add_parsers(sub)  # deploy, status, rerun
+    from flows.preflight_cmd import add_parser as add_preflight_parser
+
+    add_preflight_parser(sub)
     c = sub.add_parser("compare", help="two pipeline runs side by side: the settings that differ, the headline "
                                        "metrics (summary/*) with better/worse, and the MLflow compare-view URL")
     c.add_argument("run_a", help="MLflow run id or Prefect flow run id of a pipeline run")

@@ -171,7 +171,7 @@ def _collect(futures: dict[str, Any], cfg) -> tuple[dict[str, Any], dict[str, st
             if isinstance(exc, (ConfigError, DataError, ArtifactError)):
                 bad_input.add(name)
         else:
-            inputs = cfg.stages[name].inputs
+            inputs = cfg.stages[name].upstream()
             roots[name] = flowrun.failed_roots(name, inputs, set(failures) - set(roots), roots)
             upstream = [i for i in inputs if i in failures]
             failures[name] = f"not run: upstream {', '.join(upstream)} failed" if upstream else \
@@ -246,7 +246,7 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
                 t = stage_task.with_options(name=name, task_run_name=name, retries=sc.retries,
                                             retry_delay_seconds=sc.retry_delay_seconds,
                                             timeout_seconds=sc.timeout_seconds, retry_condition_fn=_retry_condition)
-                wait_for = [futures[i] for i in sc.inputs if i in futures]
+                wait_for = [futures[i] for i in sc.upstream() if i in futures]
                 futures[name] = runner.submit(t, {"ctx": ctx, "name": name}, wait_for=wait_for) if runner else \
                     t.submit(ctx, name, wait_for=wait_for)
             stages, failures, bad_input = _collect(futures, cfg)

@@ -40,9 +40,18 @@ class StageConfig(BaseModel):
     timeout_seconds: float | None = Field(
         None, gt=0, description="Fail the stage if one attempt runs longer than this, in seconds."
     )
+    after: list[str] = Field(
+        default_factory=list, description="Stages that must finish before this one starts, besides its inputs "
+        "(e.g. a preflight: its training stage gets it here when the config is read). Not part of the id."
+    )
 
     #: fields that steer orchestration but do not change what a stage produces (kept out of the id)
-    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = frozenset({"kind", "inputs", "retries", "retry_delay_seconds", "timeout_seconds"})
+    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = frozenset({"kind", "inputs", "retries", "retry_delay_seconds",
+                                                                "timeout_seconds", "after"})
+
+    def upstream(self) -> list[str]:
+        """What this stage waits for: its inputs, then the stages in `after`."""
+        return [*self.inputs, *(a for a in self.after if a not in self.inputs)]
 
     #: the project root, set by parse_config (kept by model_copy): relative paths in settings resolve against it
     _root: Path | None = PrivateAttr(None)
@@ -146,7 +155,7 @@ class PipelineConfig(BaseModel):
             if n in seen:
                 return
             seen.add(n)
-            for i in self.stages[n].inputs:
+            for i in self.stages[n].upstream():
                 if i in self.stages:
                     visit(i)
             order.append(n)
@@ -274,6 +283,13 @@ def parse_config(
                 problems += _format_errors(e, where, model)
             else:
                 stages[name]._root = Path(root).resolve()
+    for name in list(stages):  # kinds that tie themselves to other stages (a preflight to its training stage)
+        link = getattr(kinds[stages[name].kind], "link", None)
+        if link is not None:
+            try:
+                stages.update(link(name, stages[name], stages))
+            except ValueError as e:
+                problems.append(f"stages.{name}.{e}")
     try:
         top = PipelineConfig.model_validate({**raw, "stages": {}, "root": root, "source": source})
     except ValidationError as e:
@@ -294,6 +310,10 @@ def _check_graph(datasets, raw_stages, stages, kinds) -> list[str]:
     known = set(datasets) | set(raw_stages)
     for name, body in raw_stages.items():  # also stages whose own settings failed to parse
         refs = body.get("inputs") if isinstance(body, dict) else None
+        afters = body.get("after") if isinstance(body, dict) else None
+        for i, ref in enumerate(afters if isinstance(afters, list) else []):
+            if ref == name or ref not in raw_stages:
+                problems.append(f"stages.{name}.after[{i}]: {ref!r} is not another stage{_did_you_mean(ref, set(raw_stages))}")
         for i, ref in enumerate(refs if isinstance(refs, list) else []):
             if ref == name:
                 problems.append(f"stages.{name}.inputs[{i}]: a stage cannot read its own output")
@@ -306,7 +326,7 @@ def _check_graph(datasets, raw_stages, stages, kinds) -> list[str]:
 
     def dfs(n: str, path: list[str]) -> None:
         state[n] = 1
-        for ref in stages[n].inputs if n in stages else []:
+        for ref in stages[n].upstream() if n in stages else []:
             if ref not in stages or ref == n:
                 continue
             if state.get(ref) == 1:

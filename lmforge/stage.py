@@ -55,6 +55,7 @@ class TrainedResult(Result):
     # None where the trainer has no training_step to measure (ppo's own loop)
     padding_fraction: float | None = None
     nonpad_tokens_per_s: float | None = None
+    baseline_rss_mb: float | None = None  # the training process's RSS after its imports, before the model (CPU)
 
 
 def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -102,6 +103,9 @@ class StageDef:
     #: modules that make the output besides `run`'s module and what it imports: the training child's entry
     #: point and the recipe it loads by name (`trainer.entry` imports `trainer.<method>` dynamically)
     code: tuple[str, ...] = ()
+    #: parse_config's hook for kinds tied to another stage: link(name, cfg, stages) -> {name: replaced config}
+    #: (tasks/preflight.py); raises ValueError("<field>: problem")
+    link: Callable[[str, Any, dict[str, Any]], dict[str, Any]] | None = None
 
 
 def expect_inputs(inputs: list[Port], stage: str, *, count: int | None = None, types: set[str],

@@ -71,6 +71,17 @@ def _generations_check(spec: JobSpec) -> None:
         log.warning("generations check skipped: %s: %s", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
 
+def _rss_after_imports() -> float:
+    """This process's RSS once the libraries every recipe uses are imported, before any model or data: what the
+    preflight subtracts from the peak RSS to compare a CPU run with the memory estimate."""
+    import psutil
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path = Path(argv[0])
@@ -81,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = JobSpec.read(spec_path)
         det = determinism.setup(spec.settings)  # threads, deterministic algorithms, seeds: before anything is built
         recipe = recipe_module(spec.method)
-        result = {**recipe.train(spec), **det.report()}
+        baseline = _rss_after_imports()
+        result = {**recipe.train(spec), **det.report(), "baseline_rss_mb": baseline}
         if rank() == 0:
             _generations_check(spec)
             _write(work / "result.json", result)
