@@ -115,7 +115,8 @@ def test_import_walk_covers_stage_recipe_and_project_imports_not_excluded_module
     v = metadata.version
     assert fingerprint.for_stage(kinds["shard"]).libraries == {"webdataset": v("webdataset")}
     assert fingerprint.for_stage(kinds["dedup"]).libraries == {"datasketch": v("datasketch")}
-    assert fingerprint.for_stage(kinds["ingest"]).libraries == {}
+    # ingest reads JSON arrays with ijson and save_to_disk folders with datasets: their versions shape its records
+    assert fingerprint.for_stage(kinds["ingest"]).libraries == {"datasets": v("datasets"), "ijson": v("ijson")}
     libs = sft.libraries
     assert {k: libs[k] for k in ("trl", "transformers", "tokenizers", "torch", "peft")} == \
         {k: v(k) for k in ("trl", "transformers", "tokenizers", "torch", "peft")}
