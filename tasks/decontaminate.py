@@ -39,7 +39,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal
 
 from pydantic import Field, model_validator
 
@@ -69,9 +69,12 @@ FLAG_FIELD = "contaminated"
 class DecontaminateConfig(StageConfig):
     kind: Literal["decontaminate"] = Field(description="Removes or flags training records that overlap the "
                                            "evaluation tasks' documents (word n-grams, or MinHash near matches).")
-    tasks: list[str] = Field(min_length=1, description="lm-eval task or group names whose documents must not be "
-                             "in the training data, e.g. lmforge_arith_mc: the `tasks:` of your eval stage(s); not "
-                             "read from them, so list them here.")
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task or group names whose documents must "
+                             "not be in the training data, e.g. lmforge_arith_mc; with eval_stage, added to that "
+                             "stage's tasks.")
+    eval_stage: str | None = Field(None, description="An eval stage of this pipeline whose tasks and task_dirs to "
+                                   "check against (filled in when the config is read: the id covers the tasks, "
+                                   "not the name).")
     task_dirs: list[str] = Field(default_factory=list, description="Extra folders of lm-eval task YAMLs (after "
                                  "lmforge's configs/eval_tasks), relative to the project root, as in the eval stage.")
     action: Literal["remove", "flag"] = Field("remove", description="Drop contaminated records, or keep them with "
@@ -88,6 +91,15 @@ class DecontaminateConfig(StageConfig):
     num_perm: int = Field(128, ge=2, le=4096, description="MinHash permutations (method minhash).")
     seed: int = Field(1, ge=0, description="MinHash seed (method minhash).")
     part_records: int = Field(100_000, gt=0, description="Records per output part file.")
+
+    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | {"eval_stage"}
+
+    @model_validator(mode="after")
+    def _some_tasks(self) -> "DecontaminateConfig":
+        if not self.tasks and not self.eval_stage:
+            raise ValueError("name the eval tasks to check against: eval_stage (an eval stage of this pipeline) "
+                             "and/or tasks (lm-eval task names)")
+        return self
 
     @model_validator(mode="after")
     def _short_items(self) -> "DecontaminateConfig":
@@ -356,6 +368,24 @@ def output_port(cfg: DecontaminateConfig, inputs: list[Port]) -> Port:
     return Port("records", expect_inputs(inputs, "decontaminate", count=1, types={"records"}))
 
 
+def link(name: str, cfg: DecontaminateConfig, stages: dict[str, StageConfig]) -> dict[str, StageConfig]:
+    """parse_config's hook: `eval_stage` fills tasks and task_dirs from that eval stage."""
+    if cfg.eval_stage is None:
+        return {}
+    ev = stages.get(cfg.eval_stage)
+    if ev is None or ev.kind != "eval":
+        have = ", ".join(n for n, s in stages.items() if s.kind == "eval") or "none"
+        raise ValueError(f"eval_stage: {cfg.eval_stage!r} is not an eval stage of this pipeline (eval stages: {have})")
+    if not ev.tasks:
+        raise ValueError(f"eval_stage: eval stage {cfg.eval_stage!r} runs no lm-eval tasks (tasks: []); list tasks "
+                         "here instead")
+    tasks = [*ev.tasks, *(t for t in cfg.tasks if t not in ev.tasks)]
+    dirs = [*ev.task_dirs, *(d for d in cfg.task_dirs if d not in ev.task_dirs)]
+    new = cfg.model_copy(update={"tasks": tasks, "task_dirs": dirs})
+    new._root = cfg._root
+    return {name: new}
+
+
 STAGE = StageDef(kind="decontaminate", version="1", config=DecontaminateConfig, run=run, output_port=output_port,
-                 wants_runtime=True,
+                 wants_runtime=True, link=link,
                  description="records -> records without (or flagging) those that overlap the eval tasks' documents")

@@ -270,4 +270,25 @@ def test_bad_task_names_and_folders_name_the_field(ran, kinds):
     raw["stages"]["decon"].update(min_words=8, tasks=[])
     with pytest.raises(ConfigError) as e:
         parse_config(raw, kinds, root=tmp)
-    assert [p.split(":")[0] for p in e.value.problems] == ["stages.decon.tasks"]
+    assert [p.split(":")[0] for p in e.value.problems] == ["stages.decon"]
+    assert "name the eval tasks to check against: eval_stage" in e.value.problems[0]
+    raw["stages"]["decon"].update(eval_stage="decon")
+    with pytest.raises(ConfigError, match=r"stages\.decon\.eval_stage: 'decon' is not an eval stage of this "
+                                          r"pipeline \(eval stages: none\)"):
+        parse_config(raw, kinds, root=tmp)
+
+
+def test_eval_stage_supplies_the_tasks_and_the_id_covers_them(ran, kinds):
+    """`eval_stage:` takes the eval stage's tasks and task_dirs (the pipeline's own eval suite); the id is that of
+    the same tasks listed by hand."""
+    tmp, plan = ran
+    raw = pipeline(tmp)
+    by_hand = dict(raw["stages"]["clean"])
+    raw["stages"]["ev"] = {"kind": "eval", "models": [{"name": "m", "base": "models/none"}],
+                           "tasks": by_hand["tasks"], "task_dirs": by_hand["task_dirs"]}
+    raw["stages"]["clean"] = {k: v for k, v in by_hand.items() if k not in ("tasks", "task_dirs")} | {"eval_stage": "ev"}
+    cfg = parse_config(raw, kinds, root=tmp)
+    assert (cfg.stages["clean"].tasks, cfg.stages["clean"].task_dirs) == (by_hand["tasks"], by_hand["task_dirs"])
+    again = make_plan(cfg, kinds)
+    assert again.stages["clean"].artifact_id == plan.stages["clean"].artifact_id
+    assert again.stages["clean"].action == "cached"
