@@ -35,7 +35,7 @@ demo: setup
 	$(BIN)/lmforge run configs/demo.yaml
 
 test: setup
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q --durations=25
 
 test-all: setup
 	$(BIN)/python -m pytest -q
