@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import json
 import sys
+import threading
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -43,6 +44,9 @@ HASH_LEN = 12
 #: - lmforge.lease, lmforge.gc: who may build an artifact, and removing what dead runs left; never its bytes;
 #: - tasks (the package's __init__): finds the stage modules, runs none of them.
 #: A module that decides a file's bytes, a default or an order never belongs here.
+#: CPython 3.11's ast.parse is not safe in concurrent threads ("AST constructor recursion depth mismatch",
+#: seen when Prefect planned stages in parallel threads): one parse at a time
+_AST_LOCK = threading.Lock()
 EXCLUDED = frozenset({"lmforge.tracking", "trainer.metrics", "lmforge.log", "lmforge.provenance", "lmforge.errors",
                       "trainer.errors", "lmforge.fingerprint", "lmforge.interrupt", "lmforge.lease", "lmforge.gc",
                       "tasks"})
@@ -167,7 +171,8 @@ def _module_hash(name: str) -> str:
 def _analyze(name: str) -> tuple[str, tuple[str, ...]]:
     """(sha256 of the normalized source, imported modules) of a project module, from one parse."""
     path = _module_file(name)
-    tree = ast.parse(_read_source(path), str(path))
+    with _AST_LOCK:
+        tree = ast.parse(_read_source(path), str(path))
     imports = _imported_modules(tree, name if path.name == "__init__.py" else name.rpartition(".")[0])
     return hashlib.sha256(_normalized(tree).encode()).hexdigest(), imports
 
@@ -258,7 +263,9 @@ def _read_source(path: Path) -> str:
 def normalized_source(source: str, filename: str = "<source>") -> str:
     """The AST without docstrings and positions: equal for sources that differ in comments, docstrings
     and formatting only."""
-    return _normalized(ast.parse(source, filename))
+    with _AST_LOCK:
+        tree = ast.parse(source, filename)
+    return _normalized(tree)
 
 
 def _normalized(tree: ast.Module) -> str:
