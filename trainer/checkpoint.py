@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 
 from lmforge import provenance
 from lmforge.store import filesystem, sha256_file
+from trainer import monitoring
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +332,8 @@ class CheckpointCallback(TrainerCallback):
         except BaseException as e:  # re-raised on the training thread at the join
             outcome["error"] = e
         outcome["seconds"] = time.perf_counter() - t0
+        if "error" not in outcome:
+            monitoring.checkpoint_uploaded(outcome["seconds"])
 
     def wait_for_upload(self) -> None:
         """Join the checkpoint upload in flight, if any; its error, if it failed, is raised here."""

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from lmforge.errors import ArtifactError
 from lmforge.lease import Fence
+from lmforge.monitoring import TrainingMonitoring
 from lmforge.shards import ShardRef
 from lmforge.store import Artifact, ArtifactStore
 
@@ -64,6 +65,7 @@ class JobSpec(BaseModel):
     resume_step: int | None = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    monitoring: TrainingMonitoring | None = None  # Prometheus endpoint / Pushgateway of rank 0 (trainer.monitoring)
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.model_dump(mode="json"), indent=2))
