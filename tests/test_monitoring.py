@@ -41,7 +41,7 @@ def free_port() -> int:
 def scrape(port: int, timeout: float = 2.0) -> dict[tuple[str, tuple], float] | None:
     """{(sample name, sorted labels): value} from http://127.0.0.1:port/metrics, or None when nothing listens."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:  # noqa: S310
             text = r.read().decode()
     except OSError:
         return None
@@ -75,23 +75,19 @@ def prometheus_bin() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-class Prometheus:
-    def __init__(self, bin_dir: Path, work: Path, targets: dict[str, int]):
-        self.bin, self.work, self.port = bin_dir, work, free_port()
+class Daemon:
+    """A server binary on 127.0.0.1:<free port>, its log in `work`, stopped by its pid."""
+
+    def __init__(self, bin_dir: Path, work: Path, name: str, args: list[str]):
+        self.bin, self.work, self.port, self.name = bin_dir, work, free_port(), name
         work.mkdir(parents=True, exist_ok=True)
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
-                                     for job, port in targets.items()]}
-        (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = open(work / "prometheus.log", "w")
-        self.proc = subprocess.Popen(
-            [str(bin_dir / "prometheus"), f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = open(work / f"{name}.log", "w")
+        self.proc = subprocess.Popen([str(bin_dir / name), f"--web.listen-address=127.0.0.1:{self.port}", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not self.ready():
-            assert self.proc.poll() is None, (work / "prometheus.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "Prometheus did not get ready in 60 s"
+            assert self.proc.poll() is None, (work / f"{name}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{name} did not get ready in 60 s"
             time.sleep(0.2)
 
     def ready(self) -> bool:
@@ -101,21 +97,32 @@ class Prometheus:
         except OSError:
             return False
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(url, timeout=5) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
     def stop(self) -> None:
-        self.proc.terminate()  # by its own pid
+        self.proc.terminate()
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+class Prometheus(Daemon):
+    def __init__(self, bin_dir: Path, work: Path, targets: dict[str, int]):
+        work.mkdir(parents=True, exist_ok=True)
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+                                     for job, port in targets.items()]}
+        (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+        super().__init__(bin_dir, work, "prometheus", [f"--config.file={work / 'prometheus.yml'}",
+                                                       f"--storage.tsdb.path={work / 'data'}"])
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,14 +132,21 @@ class Prometheus:
 @pytest.fixture(scope="module")
 def trained(root, kinds_module, tmp_path_factory):  # noqa: F811
     stage_port, training_port = free_port(), free_port()
+    work = tmp_path_factory.mktemp("prometheus")
+    prom: Prometheus | None = None
+    gateway: Daemon | None = None
+    why = None
     try:
-        prom: Prometheus | None = Prometheus(prometheus_bin(), tmp_path_factory.mktemp("prometheus"),
-                                             {"lmforge-stages": stage_port, "lmforge-training": training_port})
+        bin_dir = prometheus_bin()
     except pytest.skip.Exception as e:
-        prom, why = None, str(e)
+        why = str(e)
+    else:
+        prom = Prometheus(bin_dir, work, {"lmforge-stages": stage_port, "lmforge-training": training_port})
+        gateway = Daemon(bin_dir, work, "prometheus-pushgateway", [f"--persistence.file={work / 'pushgateway.data'}"])
     raw = pipeline(root, {"sft_prom": sft(method="full", max_steps=STEPS, checkpoint_every_steps=100)})
     raw["name"] = "mon"
-    raw["monitoring"] = {"port": stage_port, "training_port": training_port}
+    raw["monitoring"] = {"port": stage_port, "training_port": training_port, "push_interval_seconds": 1,
+                         "pushgateway": f"http://127.0.0.1:{gateway.port}" if gateway else None}
     plan = make_plan(parse_config(raw, kinds_module, root=root), kinds_module)
     ctx = RunContext(plan=plan, kinds=kinds_module)
     done: dict[str, Any] = {}
@@ -160,12 +174,13 @@ def trained(root, kinds_module, tmp_path_factory):  # noqa: F811
             while not prom.query('lmforge_stage_state{stage="sft_prom",state="succeeded"} == 1'):
                 assert time.monotonic() < deadline, "Prometheus never scraped the finished stage"
                 time.sleep(0.5)
-        yield {"plan": plan, "scrapes": scrapes, "after": scrape(stage_port), "prom": prom,
-               "why_no_prom": None if prom else why}
+        yield {"plan": plan, "scrapes": scrapes, "after": scrape(stage_port), "prom": prom, "gateway": gateway,
+               "why_no_prom": why}
     finally:
-        if prom is not None:
-            prom.stop()
         monitoring.shutdown()
+        for daemon in (prom, gateway):
+            if daemon is not None:
+                daemon.stop()
 
 
 def test_training_metrics_scraped_over_http_while_it_trains(trained):
@@ -260,6 +275,32 @@ def test_prometheus_server_scrapes_both_endpoints_and_the_deploy_files_check(tra
         for target in panel.get("targets", []):
             expr = re.sub(r"\$__range", "1h", target["expr"]).replace("$pipeline", ".*").replace("$stage", ".*")
             prom.query(expr)  # every panel's query parses and runs
+
+
+def test_both_processes_push_to_a_real_pushgateway(trained):
+    gateway = trained["gateway"]
+    if gateway is None:
+        pytest.skip(trained["why_no_prom"])
+    r = artifact(trained["plan"], "sft_prom").result
+    # the training process pushed once more as it exited: its final figures, exactly
+    pushed = scrape(gateway.port)
+    group = {"job": "lmforge", "process": "training", "pipeline": "mon", "stage": "sft_prom", "kind": "sft"}
+    assert value(pushed, "lmforge_train_step", **group) == STEPS
+    assert value(pushed, "lmforge_train_tokens_total", **group) == r["tokens"]
+    assert value(pushed, "lmforge_train_samples_total", **group) == 8 * STEPS
+    assert value(pushed, "lmforge_train_step_seconds_count", **group) == STEPS
+    assert value(pushed, "lmforge_train_data_wait_seconds_count", **group) == STEPS
+    assert value(pushed, "lmforge_checkpoint_upload_seconds_count", **group) == 2
+    # the stage process pushes every second: the stage's final state arrives
+    deadline = time.monotonic() + 15
+    while True:
+        pushed = scrape(gateway.port)
+        done = [v for (n, lab), v in pushed.items() if n == "lmforge_stage_state" and dict(lab).get("process") ==
+                "stages" and dict(lab).get("stage") == "sft_prom" and dict(lab)["state"] == "succeeded"]
+        if done == [1.0]:
+            break
+        assert time.monotonic() < deadline, done
+        time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------------------------
