@@ -244,7 +244,7 @@ class GpuCollector:
 
 
 _lock = threading.Lock()
-_servers: dict[tuple[str, int], Any] = {}  # (address, port asked) -> (server, thread, port bound)
+_servers: dict[tuple[str, int], Any] = {}  # (address, port asked) -> (server, thread, port bound); Nones: not bound
 _pushers: dict[tuple[str, str], "_Pusher"] = {}
 _collectors: dict[str, Any] = {}
 
@@ -287,6 +287,7 @@ def _serve(address: str, port: int, fallback_ports: int) -> int | None:
         _servers[(address, port)] = (server, thread, p)
         log.info("Prometheus metrics at http://%s:%d/metrics", address, p)
         return p
+    _servers[(address, port)] = (None, None, None)  # said once; the next stage does not try (and warn) again
     return None
 
 
@@ -297,6 +298,8 @@ def shutdown() -> None:
         _servers.clear()
         _pushers.clear()
     for server, thread, _ in servers:
+        if server is None:
+            continue
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
