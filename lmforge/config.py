@@ -122,6 +122,20 @@ class MonitoringConfig(BaseModel):
         return self.port + 1 if self.port else 0
 
 
+class TrainingMonitoring(BaseModel):
+    """What the stage hands the training process (JobSpec.monitoring): its labels and where its metrics go."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str
+    stage: str
+    kind: str
+    port: int  # 0: no endpoint
+    address: str
+    pushgateway: str | None = None
+    push_interval_seconds: float = 15.0
+
+
 class PipelineConfig(BaseModel):
     """A whole pipeline. `stages` holds each kind's own config model."""
 

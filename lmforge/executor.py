@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lmforge import gc, interrupt, monitoring, provenance
+from lmforge import gc, interrupt, provenance
 from lmforge.datasets import DatasetInput
 from lmforge.errors import ArtifactError, FailedAfterPublish
 from lmforge.lease import Lease, LeaseLost
@@ -185,6 +185,7 @@ def _cached(ctx: RunContext, name: str, existing: Artifact) -> dict[str, Any]:
 
 def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
     """Returns {"stage", "status": ran|cached, "artifact_id", "uri", "seconds", "mlflow_run_id"}."""
+    from lmforge import monitoring  # prometheus_client loads with the first stage, not with every import of lmforge
     with monitoring.stage(ctx.plan.cfg, name, ctx.plan.stages[name].kind, ctx.flow_run.get("id")) as watch:
         out = _execute_stage(ctx, name)
         watch.set("succeeded" if out["status"] == "ran" else "cached")
@@ -220,6 +221,8 @@ def _execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
 
 def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
     """Run the stage under `held` and publish its artifact (only while the lease is still ours)."""
+    from lmforge import monitoring
+
     plan, store, tr = ctx.plan, ctx.plan.store, ctx.tracker
     sp = plan.stages[name]
     sc = plan.cfg.stages[name]

@@ -33,9 +33,7 @@ from typing import Any, Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, push_to_gateway, start_http_server
 from prometheus_client.core import GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict
-
-from lmforge.config import MonitoringConfig, PipelineConfig
+from lmforge.config import MonitoringConfig, PipelineConfig, TrainingMonitoring
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +46,6 @@ RETRIES = Counter("lmforge_stage_retries", "Stage attempts after the first in on
                   STAGE_LABELS)
 RESULT = Gauge("lmforge_stage_result", "A number from the result of the stage's latest artifact (records, bytes, "
                "...), under its field name.", (*STAGE_LABELS, "field"))
-
-
-class TrainingMonitoring(BaseModel):
-    """What the stage hands the training process (JobSpec.monitoring): its labels and where its metrics go."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    pipeline: str
-    stage: str
-    kind: str
-    port: int  # 0: no endpoint
-    address: str
-    pushgateway: str | None = None
-    push_interval_seconds: float = 15.0
 
 
 def for_training(cfg: PipelineConfig, stage: str, kind: str) -> TrainingMonitoring | None:

@@ -32,7 +32,6 @@ from transformers import TrainerCallback
 
 from lmforge import provenance
 from lmforge.store import filesystem, sha256_file
-from trainer import monitoring
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +332,8 @@ class CheckpointCallback(TrainerCallback):
             outcome["error"] = e
         outcome["seconds"] = time.perf_counter() - t0
         if "error" not in outcome:
+            from trainer import monitoring  # prometheus_client: imported where training runs, not by every stage
+
             monitoring.checkpoint_uploaded(outcome["seconds"])
 
     def wait_for_upload(self) -> None:

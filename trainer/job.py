@@ -17,9 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from lmforge.config import TrainingMonitoring
 from lmforge.errors import ArtifactError
 from lmforge.lease import Fence
-from lmforge.monitoring import TrainingMonitoring
 from lmforge.shards import ShardRef
 from lmforge.store import Artifact, ArtifactStore
 
