@@ -98,6 +98,44 @@ class DatasetConfig(BaseModel):
         return [self.path] if isinstance(self.path, str) else list(self.path)
 
 
+class MonitoringConfig(BaseModel):
+    """Prometheus metrics of a run (lmforge.monitoring): an HTTP endpoint per process, and/or pushes to a Pushgateway.
+    Off unless a port or a Pushgateway is set. Never changes an artifact id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    port: int = Field(0, ge=0, le=65535, description="Serve the stage process's metrics (stage states and durations, "
+                      "failures, retries, data stages' results, host CPU and RAM) at http://address:port/metrics; 0: off.")
+    training_port: int | None = Field(None, ge=0, le=65535, description="Port of each training process's endpoint "
+                                      "(tokens/s, loss, step time, data wait, checkpoint uploads, GPU); unset: port + 1, "
+                                      "0: off. A port in use (several trainings at once) moves to the next free one of "
+                                      "the 8 after it.")
+    address: str = Field("127.0.0.1", description="Interface the endpoints listen on; 0.0.0.0 serves every interface.")
+    pushgateway: str | None = Field(None, description="Prometheus Pushgateway URL, e.g. http://127.0.0.1:9091: each "
+                                    "process also pushes its metrics every push_interval_seconds and when it ends.")
+    push_interval_seconds: float = Field(15.0, gt=0, description="Seconds between pushes to the Pushgateway.")
+
+    @property
+    def training_port_resolved(self) -> int:
+        if self.training_port is not None:
+            return self.training_port
+        return self.port + 1 if self.port else 0
+
+
+class TrainingMonitoring(BaseModel):
+    """What the stage hands the training process (JobSpec.monitoring): its labels and where its metrics go."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str
+    stage: str
+    kind: str
+    port: int  # 0: no endpoint
+    address: str
+    pushgateway: str | None = None
+    push_interval_seconds: float = 15.0
+
+
 class PipelineConfig(BaseModel):
     """A whole pipeline. `stages` holds each kind's own config model."""
 
@@ -110,6 +148,8 @@ class PipelineConfig(BaseModel):
         None, description="Run the stages as tasks on this Dask cluster through prefect-dask's DaskTaskRunner "
         "(e.g. tcp://127.0.0.1:8786); data stages then fan their partitions out over its workers. Unset: stages "
         "run in threads of this process. Never changes an artifact id.")
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig, description="Prometheus metrics endpoints "
+                                         "and Pushgateway (off by default); never changes an artifact id.")
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict, description="Named raw data sources.")
     stages: dict[str, StageConfig] = Field(description="Named stages; the DAG comes from their inputs.")
     root: Path = Field(Path("."), exclude=True, description="Project root that relative paths resolve against.")

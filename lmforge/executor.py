@@ -185,6 +185,14 @@ def _cached(ctx: RunContext, name: str, existing: Artifact) -> dict[str, Any]:
 
 def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
     """Returns {"stage", "status": ran|cached, "artifact_id", "uri", "seconds", "mlflow_run_id"}."""
+    from lmforge import monitoring  # prometheus_client loads with the first stage, not with every import of lmforge
+    with monitoring.stage(ctx.plan.cfg, name, ctx.plan.stages[name].kind, ctx.flow_run.get("id")) as watch:
+        out = _execute_stage(ctx, name)
+        watch.set("succeeded" if out["status"] == "ran" else "cached")
+        return out
+
+
+def _execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
     store, sp = ctx.plan.store, ctx.plan.stages[name]
     existing = store.get(sp.kind, sp.artifact_id)
     if existing is not None and not sp.forced:
@@ -213,6 +221,8 @@ def execute_stage(ctx: RunContext, name: str) -> dict[str, Any]:
 
 def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
     """Run the stage under `held` and publish its artifact (only while the lease is still ours)."""
+    from lmforge import monitoring
+
     plan, store, tr = ctx.plan, ctx.plan.store, ctx.tracker
     sp = plan.stages[name]
     sc = plan.cfg.stages[name]
@@ -236,10 +246,12 @@ def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
                 runtime = StageRuntime(pipeline=plan.cfg.name, stage=name, kind=sp.kind, artifact_id=sp.artifact_id,
                                        store=store, checkpoint_uri=store.checkpoint_uri(sp.kind, sp.artifact_id),
                                        tracking_uri=tr.uri if tr else None, mlflow_run_id=run_id,
-                                       root=plan.cfg.root, lease=held.fence())
+                                       root=plan.cfg.root, lease=held.fence(),
+                                       monitoring=monitoring.for_training(plan.cfg, name, sp.kind))
                 run = functools.partial(sdef.run, runtime=runtime)
             else:
                 run = sdef.run
+            monitoring.stage_running(plan.cfg.name, name)
             try:
                 result = run(sc, inputs, out)
             except FailedAfterPublish as e:  # complete output that fails a check: publish, then fail
@@ -273,6 +285,7 @@ def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
             artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced,
                                      history_stamp=sp.extra.get("history_stamp"))
         store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
+        monitoring.StageWatch(plan.cfg.name, name, sp.kind).result(result.metrics())
         if tr:
             tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
             if failure is None:

@@ -42,6 +42,7 @@ HASH_LEN = 12
 #: - lmforge.fingerprint: this module, which only names the code;
 #: - lmforge.interrupt: a stop request, after which a stage raises instead of writing anything;
 #: - lmforge.lease, lmforge.gc: who may build an artifact, and removing what dead runs left; never its bytes;
+#: - lmforge.monitoring, trainer.monitoring: Prometheus metrics about a run;
 #: - tasks (the package's __init__): finds the stage modules, runs none of them.
 #: A module that decides a file's bytes, a default or an order never belongs here.
 #: CPython 3.11's ast.parse is not safe in concurrent threads ("AST constructor recursion depth mismatch",
@@ -49,7 +50,7 @@ HASH_LEN = 12
 _AST_LOCK = threading.Lock()
 EXCLUDED = frozenset({"lmforge.tracking", "trainer.metrics", "lmforge.log", "lmforge.provenance", "lmforge.errors",
                       "trainer.errors", "lmforge.fingerprint", "lmforge.interrupt", "lmforge.lease", "lmforge.gc",
-                      "tasks"})
+                      "lmforge.monitoring", "trainer.monitoring", "tasks"})
 
 #: Libraries whose version shapes an output: import name -> distribution name.
 LIBRARIES = {"torch": "torch", "transformers": "transformers", "trl": "trl", "peft": "peft",

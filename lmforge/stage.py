@@ -89,6 +89,7 @@ class StageRuntime:
     mlflow_run_id: str | None = None
     root: Path = Path(".")  # project root: relative paths in settings resolve against it
     lease: Any = None  # lmforge.lease.Fence of the stage's lease: the child checks it before touching checkpoints
+    monitoring: Any = None  # lmforge.monitoring.TrainingMonitoring: where the training process serves its metrics
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
                 model=ArtifactRef.of(model) if model else None,
                 reward_model=ArtifactRef.of(reward_model) if reward_model else None,
                 output_dir=str(out), work_dir=str(work), checkpoint_uri=runtime.checkpoint_uri, lease=runtime.lease,
-                tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id)
+                tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id, monitoring=runtime.monitoring)
             res = models.resolve(base_model, spec.model, work, verify=False)
             info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
             log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)

@@ -331,6 +331,10 @@ class CheckpointCallback(TrainerCallback):
         except BaseException as e:  # re-raised on the training thread at the join
             outcome["error"] = e
         outcome["seconds"] = time.perf_counter() - t0
+        if "error" not in outcome:
+            from trainer import monitoring  # prometheus_client: imported where training runs, not by every stage
+
+            monitoring.checkpoint_uploaded(outcome["seconds"])
 
     def wait_for_upload(self) -> None:
         """Join the checkpoint upload in flight, if any; its error, if it failed, is raised here."""

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from lmforge.tracking import RedactingFilter
-from trainer import checkpoint, determinism
+from trainer import checkpoint, determinism, monitoring
 from trainer.errors import Preempted, SettingError
 from trainer.job import JobSpec, rank
 
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint.install_sigterm_handler()
     try:
         spec = JobSpec.read(spec_path)
+        monitoring.start(spec)  # rank 0's metrics endpoint, when the stage asked for one
         det = determinism.setup(spec.settings)  # threads, deterministic algorithms, seeds: before anything is built
         recipe = recipe_module(spec.method)
         baseline = _rss_after_imports()

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from lmforge.config import TrainingMonitoring
 from lmforge.errors import ArtifactError
 from lmforge.lease import Fence
 from lmforge.shards import ShardRef
@@ -64,6 +65,7 @@ class JobSpec(BaseModel):
     resume_step: int | None = None
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    monitoring: TrainingMonitoring | None = None  # Prometheus endpoint / Pushgateway of rank 0 (trainer.monitoring)
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.model_dump(mode="json"), indent=2))

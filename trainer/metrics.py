@@ -16,6 +16,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer import monitoring
+
 log = logging.getLogger(__name__)
 
 LOG_KEYS = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_norm": "train/grad_norm",
@@ -45,6 +47,7 @@ class MetricsCallback(TrainerCallback):
         self.train_seconds = 0.0
         self.tokens_begin = self.tokens_end = 0
         self.start_step = 0
+        self.prom = monitoring.current()  # Prometheus series (trainer.monitoring), rank 0 when the stage asked for them
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 logs; connect before trainer.train(): the first
             self._connect()                        # connection costs 0.4-2 s, once, not in the train loop
 
@@ -55,13 +58,27 @@ class MetricsCallback(TrainerCallback):
         self.tokens_begin = self.tokens_end = state.num_input_tokens_seen
         self._window_tokens = float(state.num_input_tokens_seen)
         self.start_step = state.global_step
+        if self.prom:
+            self.prom.train_begin(args, state)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
+        if self.prom:
+            self.prom.step_begin()
 
     def on_step_end(self, args, state, control, **kwargs):
         self._step_times.append(time.perf_counter() - self._step_started)
         self.tokens_end = state.num_input_tokens_seen
+        if self.prom:
+            self.prom.step_end(state)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.prom:  # after the checkpoint's write: the wait for the next batch starts here
+            self.prom.step_done()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.prom:
+            self.prom.step_done()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.train_seconds = time.monotonic() - self._t0
@@ -71,6 +88,9 @@ class MetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
+        if self.prom:
+            self.prom.logged(logs)
+            self.prom.step_done()
         metrics = {LOG_KEYS[k]: float(v) for k, v in logs.items() if k in LOG_KEYS and v is not None}
         if "train/loss" in metrics:
             self.losses.append((state.global_step, metrics["train/loss"]))
