@@ -29,6 +29,7 @@ $(STAMP): requirements/lock.txt pyproject.toml
 	$(BIN)/pip install --quiet --no-deps -r requirements/lock.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	$(BIN)/pip check || true
+	deploy/prometheus/get-prometheus.sh >/dev/null || echo "no Prometheus (needs apt-get): tests/test_monitoring.py skips its Prometheus tests"
 	touch $(STAMP)
 
 demo: setup

@@ -2,7 +2,7 @@
 server, and the alert rules checked with promtool; data stages' states, durations, results, failures and retries.
 
 One tiny Llama sft stage (tests/test_trainer.py's helpers) trains once per module, with the stage process's and
-the training process's endpoints on free ports and a Prometheus server (scripts/get-prometheus.sh: Debian's
+the training process's endpoints on free ports and a Prometheus server (deploy/prometheus/get-prometheus.sh: Debian's
 package, unpacked into .venv/prometheus) scraping both every second.
 """
 from __future__ import annotations
@@ -65,12 +65,12 @@ def names(samples: dict) -> set[str]:
 
 
 def prometheus_bin() -> Path:
-    """The folder with `prometheus` and `promtool`, installed by scripts/get-prometheus.sh if missing."""
+    """The folder with `prometheus` and `promtool`, installed by deploy/prometheus/get-prometheus.sh if missing."""
     import shutil
 
     if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
         pytest.skip("Prometheus comes from Debian's package (apt-get download + dpkg -x): this host has no apt-get/dpkg")
-    out = subprocess.run([str(REPO / "scripts" / "get-prometheus.sh")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([str(REPO / "deploy" / "prometheus" / "get-prometheus.sh")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return Path(out.stdout.strip().splitlines()[-1])
 

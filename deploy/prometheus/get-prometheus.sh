@@ -4,7 +4,7 @@
 # unpacked with `dpkg -x` into .venv/prometheus/ (or $1). Idempotent: does nothing when the binaries are there
 # and run. Prints the folder that holds `prometheus`, `promtool` and `prometheus-pushgateway`.
 set -euo pipefail
-here="$(cd "$(dirname "$0")/.." && pwd)"
+here="$(cd "$(dirname "$0")/../.." && pwd)"
 dest="${1:-$here/.venv/prometheus}"
 bin="$dest/usr/bin"
 if [ -x "$bin/prometheus" ] && [ -x "$bin/prometheus-pushgateway" ] && "$bin/promtool" --version >/dev/null 2>&1; then
@@ -16,7 +16,11 @@ command -v dpkg >/dev/null || { echo "get-prometheus: dpkg not found (needs a De
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 # apt-get download writes into the working directory (as root it warns that _apt cannot write there: harmless)
-if ! (cd "$tmp" && apt-get download -q prometheus prometheus-pushgateway >"$tmp/apt.log" 2>&1); then
+# exact versions (Debian 12's), like every other dependency
+PROMETHEUS_VERSION="2.42.0+ds-5+deb12u1"
+PUSHGATEWAY_VERSION="1.5.1-2+b5"
+if ! (cd "$tmp" && apt-get download -q "prometheus=$PROMETHEUS_VERSION" \
+        "prometheus-pushgateway=$PUSHGATEWAY_VERSION" >"$tmp/apt.log" 2>&1); then
     cat "$tmp/apt.log" >&2
     echo "get-prometheus: apt-get download failed (run apt-get update, or check access to the Debian mirror)" >&2
     exit 1
