@@ -19,7 +19,9 @@ What it does, with the training stage's own code (its `run`, so its child proces
    the model/adapter after the last step;
 5. reloads the saved model/adapter in this process and generates greedily on the control prompts.
 It records step time, tokens/s, peak memory (CUDA max allocated on a GPU; on CPU the peak RSS of the training
-process, and that peak above the process's own RSS after its imports), the checkpoint's size, whether the reload
+process, and that peak above the process's non-model RSS when training begins: its RSS then less the bytes of
+the model's parameters and buffers, trainer.metrics.nonmodel_rss_mb, so the libraries, tokenized data and Trainer
+the estimate does not model are left out), the checkpoint's size, whether the reload
 and the generation worked (and what was generated), and the estimate of trainer/estimate.py for the same
 settings with the error of the estimate against the measurement in percent (on CPU: the estimate's tensors,
 without the CUDA context and the allocator margin, against the peak RSS above the baseline).

@@ -31,6 +31,38 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+#: on a CPU run, the process's RSS when training begins less the bytes of the model's tensors (parameters and
+#: buffers) at that moment: what the process holds that is not the model (libraries imported lazily by the
+#: recipe, e.g. trl's trainer classes, the tokenizer, the tokenized dataset, the Trainer and accelerate state).
+#: The preflight subtracts it from the peak RSS to compare a CPU run with the memory estimate, which counts the
+#: model's tensors, gradients, optimizer states and activations only. None on a GPU or before training begins.
+nonmodel_rss_mb: float | None = None
+
+
+def model_tensor_bytes(model) -> int:
+    """Bytes of the distinct storages of a model's parameters and buffers (a tied weight counts once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a meta or otherwise storage-less tensor
+            continue
+        seen.setdefault(st.data_ptr(), st.nbytes())
+    return sum(seen.values())
+
+
+def _record_nonmodel_rss(model) -> None:
+    global nonmodel_rss_mb
+    import torch
+
+    if model is None or torch.cuda.is_available():
+        return
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    nonmodel_rss_mb = round((rss - model_tensor_bytes(model)) / 2**20, 1)
+
+
 class MetricsCallback(TrainerCallback):
     def __init__(self, tracking_uri: str | None, run_id: str | None, progress_every_s: float = 10.0):
         self.tracking_uri, self.run_id = tracking_uri, run_id
@@ -55,6 +87,7 @@ class MetricsCallback(TrainerCallback):
         self.tokens_begin = self.tokens_end = state.num_input_tokens_seen
         self._window_tokens = float(state.num_input_tokens_seen)
         self.start_step = state.global_step
+        _record_nonmodel_rss(kwargs.get("model"))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
