@@ -7,7 +7,8 @@ Each cell of the grid (model x method x max_length_tokens x gradient checkpointi
 own `sft` stage (distinct stage names in one store, so ingest/shard/tokenizer run once for all cells): `steps`
 real optimizer steps in the sft stage's own training child, whose peak is measured. On CPU the preflight compares
 - measured: the child's peak RSS (ru_maxrss) above its non-model RSS when training begins (`baseline_rss_mb`:
-  its RSS then less the model's parameters and buffers; trainer.metrics.nonmodel_rss_mb),
+  its RSS then less the model's parameters and buffers; trainer.metrics.nonmodel_rss_mb), the child started with
+  glibc's mmap threshold pinned so that its RSS follows its live tensors (tasks/preflight._cpu_malloc_tracks_tensors),
 - estimate: trainer/estimate.py's components for the same settings without `buffers` (the CUDA context and the
   allocator's fragmentation margin, which a CPU run does not have): `estimate_compared_mb`,
 and `estimate_error_pct` = (estimate - measured) / measured. Target (issue 14): within +-15%.
