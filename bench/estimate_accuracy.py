@@ -41,6 +41,8 @@ Measured 2026-12-03, 2 shared cores (load ~6), batch 4, 3 steps; error = (estima
     smollm2  lora    128 off       1,881.8      1,843.7    +2.1%
     smollm2  qlora   128 off       1,529.0      1,162.5   +31.5%
     smollm2  full    128 off       2,974.4      2,569.2   +15.8%
+    smollm2  lora    512 off       5,764.0      4,889.7   +17.9%
+    smollm2  lora    512 on        2,021.9        976.4  +107.1%
 
 Where the remaining error comes from (not yet in trainer/estimate.py, see the commit log):
 - full training sums gradients and activations, but with grad_accumulation_steps 1 the Trainer frees the gradients
@@ -49,8 +51,14 @@ Where the remaining error comes from (not yet in trainer/estimate.py, see the co
   + tied-embedding gradient 113 = 2574 MB against 2569 measured.
 - qlora keeps less than lora for the same activations formula (SmolLM2 128: ~330 MB less, the size of the LoRA
   dropout copies of the inputs, 4992 x 4 B per token per layer); not explained yet.
-- at 512 tokens the three n x V fp32 tensors of the loss (logits, log-softmax, its gradient) look like ~1.3 of them
-  at the peak; at 128 tokens a ~10-15 MB first-call runtime cost (oneDNN/OpenMP) that the estimate lacks dominates.
+- the loss's n x V fp32 tensors (the estimate: logits, log-softmax and its gradient, 3 n V x 4 B) are mostly not
+  there at the peak: tiny at 512 ~1.3 of them, SmolLM2 (V 49152) at 512 under one (lora, no checkpointing: 4302 MB
+  measured beyond weights and adapter, the 30 layers alone estimated 3967; with checkpointing 389 MB measured,
+  less than the 141 MB of checkpoints plus one n x V tensor, 403 MB). With checkpointing the estimate also adds the
+  recomputed layer to the loss tensors, which backward frees before it recomputes any layer.
+- at 128 tokens a ~10-15 MB first-call runtime cost (oneDNN/OpenMP) that the estimate lacks dominates the tiny cells.
+Not run: SmolLM2 full and qlora at 512, every SmolLM2 cell with checkpointing but lora 512 (about 3-4 min a cell
+on the 2 shared cores).
 """
 from __future__ import annotations
 
