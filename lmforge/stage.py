@@ -55,7 +55,10 @@ class TrainedResult(Result):
     # None where the trainer has no training_step to measure (ppo's own loop)
     padding_fraction: float | None = None
     nonpad_tokens_per_s: float | None = None
-    baseline_rss_mb: float | None = None  # the training process's RSS after its imports, before the model (CPU)
+    # CPU: the training process's non-model RSS when training begins (its RSS then, less the model's parameters
+    # and buffers; trainer.metrics.nonmodel_rss_mb), what the preflight subtracts from the peak RSS
+    baseline_rss_mb: float | None = None
+    rss_after_imports_mb: float | None = None  # CPU: its RSS after importing torch/transformers/trl
 
 
 def numeric_leaves(d: dict[str, Any], prefix: str = "") -> dict[str, float]:

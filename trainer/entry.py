@@ -94,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         det = determinism.setup(spec.settings)  # threads, deterministic algorithms, seeds: before anything is built
         recipe = recipe_module(spec.method)
         baseline = _rss_after_imports()
-        result = {**recipe.train(spec), **det.report(), "baseline_rss_mb": baseline}
+        result = recipe.train(spec)
+        # on CPU the baseline is the non-model RSS at the start of training (trainer.metrics.nonmodel_rss_mb):
+        # the RSS after the imports misses what the recipe imports and builds later (trl's trainer classes
+        # alone ~80 MB, the tokenized data and the Trainer another ~70 MB), none of which the estimate models
+        from trainer import metrics
+
+        result = {**result, **det.report(), "rss_after_imports_mb": baseline,
+                  "baseline_rss_mb": metrics.nonmodel_rss_mb if metrics.nonmodel_rss_mb is not None else baseline}
         if rank() == 0:
             _generations_check(spec)
             _write(work / "result.json", result)

@@ -33,6 +33,57 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+#: on a CPU run, the process's RSS when training begins less the bytes of the model's tensors (parameters and
+#: buffers) at that moment: what the process holds that is not the model (libraries imported lazily by the
+#: recipe, e.g. trl's trainer classes, the tokenizer, the tokenized dataset, the Trainer and accelerate state).
+#: The preflight subtracts it from the peak RSS to compare a CPU run with the memory estimate, which counts the
+#: model's tensors, gradients, optimizer states and activations only. None on a GPU or before training begins.
+nonmodel_rss_mb: float | None = None
+
+
+def model_tensor_bytes(model) -> int:
+    """Bytes of the distinct storages of a model's parameters and buffers (a tied weight counts once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a meta or otherwise storage-less tensor
+            continue
+        seen.setdefault(st.data_ptr(), st.nbytes())
+    return sum(seen.values())
+
+
+def _fault_in(model) -> None:
+    """Read one element per page of every parameter and buffer, so all of the model is resident before the RSS is
+    taken: transformers loads safetensors memory-mapped, and a page of a weight enters the RSS only when first read
+    (in the first forward); subtracting the whole model's bytes from an RSS that holds part of it would put the rest
+    into the peak above the baseline (a 135M model loaded from a folder: ~500 MB). The first forward reads them all
+    anyway."""
+    import torch
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous():
+                continue
+            try:
+                t.detach().view(-1)[:: max(1, 4096 // t.element_size())].sum()
+            except (RuntimeError, TypeError, NotImplementedError):  # a tensor subclass that does not take it
+                continue
+
+
+def _record_nonmodel_rss(model) -> None:
+    global nonmodel_rss_mb
+    import torch
+
+    if model is None or torch.cuda.is_available():
+        return
+    import psutil
+
+    _fault_in(model)
+    rss = psutil.Process().memory_info().rss
+    nonmodel_rss_mb = round((rss - model_tensor_bytes(model)) / 2**20, 1)
+
+
 class MetricsCallback(TrainerCallback):
     def __init__(self, tracking_uri: str | None, run_id: str | None, progress_every_s: float = 10.0):
         self.tracking_uri, self.run_id = tracking_uri, run_id
@@ -60,6 +111,7 @@ class MetricsCallback(TrainerCallback):
         self.start_step = state.global_step
         if self.prom:
             self.prom.train_begin(args, state)
+        _record_nonmodel_rss(kwargs.get("model"))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
