@@ -83,7 +83,7 @@ def cmd_preflight(args) -> int:
 
 
 def format_result(r: dict[str, Any], uri: str) -> str:
-    above = f" ({r['peak_above_baseline_mb']:,.0f} MB above the process's RSS after imports)" \
+    above = f" ({r['peak_above_baseline_mb']:,.0f} MB above its non-model RSS when training began)" \
         if r.get("peak_above_baseline_mb") is not None else ""
     est = "no estimate" if r.get("estimate_compared_mb") is None else \
         f"{r['estimate_compared_mb']:,.0f} MB estimated, error {r['estimate_error_pct']:+.1f}%"
