@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import signal
@@ -31,7 +32,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lmforge import provenance
-from lmforge.store import filesystem, sha256_file
+from lmforge.store import filesystem, is_local, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +105,22 @@ def upload(local_dir: Path, uri: str, step: int) -> str:
             files.append({"path": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
     marker = json.dumps({"step": step, "files": files, "uploaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          "environment": provenance.environment()})  # a resume elsewhere says what changed
-    fs.pipe_file(f"{dest}/{DONE}", marker.encode())
+    write_whole(fs, f"{dest}/{DONE}", marker.encode())
     log.info("checkpoint %d uploaded: %d files, %.1f MB in %.1fs -> %s/%s%d", step, len(files),
              sum(f["bytes"] for f in files) / 2**20, time.monotonic() - t0, uri, PREFIX, step)
     return dest
+
+
+def write_whole(fs, path: str, data: bytes) -> None:
+    """Write a small file so that it is never seen half-written: on a local disk a temp file renamed into place
+    (a kill -9 between creating DONE and writing it left an empty DONE that made the checkpoint look complete and
+    failed the resume); an object store's PUT is atomic already."""
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fs.pipe_file(tmp, data)
+    os.replace(tmp, path)
 
 
 def prune(uri: str, keep: int) -> list[int]:
