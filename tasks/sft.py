@@ -83,6 +83,7 @@ class SftResult(TrainedResult):
     train_rows: int
     dropped_fully_masked: int
     validation_records: int
+    token_shards: str | None = None  # kind/id of the tokenize stage's token shards this stage streamed
     steps: int
     epochs: float
     train_loss_first: float | None
@@ -136,7 +137,8 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
                 model=ArtifactRef.of(model) if model else None,
                 reward_model=ArtifactRef.of(reward_model) if reward_model else None,
                 output_dir=str(out), work_dir=str(work), checkpoint_uri=runtime.checkpoint_uri, lease=runtime.lease,
-                tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id, monitoring=runtime.monitoring)
+                tracking_uri=runtime.tracking_uri, mlflow_run_id=runtime.mlflow_run_id, monitoring=runtime.monitoring,
+                token_data=token_data(shards))
             res = models.resolve(base_model, spec.model, work, verify=False)
             info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
             log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)
@@ -145,15 +147,34 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
         raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
 
 
+def token_data(shards: Artifact) -> dict | None:
+    """What the training process needs to stream a `tokenize` stage's rows (None for record shards): rows per
+    shard of each split, the chat template they were made with (read verified), the tokenizer's fingerprint and
+    the row settings."""
+    r = shards.result
+    if r.get("data_kind") != "sft_tokens":
+        return None
+    from tasks.tokenize import TEMPLATE_FILE
+
+    with shards.open_verified(TEMPLATE_FILE) as f:
+        template = f.read().decode()
+    return {"artifact": f"{shards.kind}/{shards.id}", "stage": shards.producer,
+            "rows_per_shard": {s: [x["samples"] for x in r["shards"] if x["split"] == s] for s in ("train", "validation")},
+            "chat_template": template, "tokenizer_fingerprint": r["tokenizer_fingerprint"],
+            "max_length_tokens": r["max_length_tokens"], "assistant_only_loss": r["assistant_only_loss"],
+            "dropped_no_label": r["dropped_no_label"]}
+
+
 def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> SftResult:
     return SftResult(**launch_training("sft", cfg, inputs, out, runtime))
 
 
 def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
     shards = [p for p in inputs if p.type == "shards"]
-    if len(shards) != 1 or shards[0].data_kind != "chat":
+    if len(shards) != 1 or shards[0].data_kind not in ("chat", "sft_tokens"):
         got = ", ".join(p.describe() for p in shards) or "none"
-        raise ValueError(f"sft reads exactly one chat shards input (got {got})")
+        raise ValueError(f"sft reads exactly one chat shards (or tokenize stage's sft_tokens shards) input "
+                         f"(got {got})")
     for i, p in enumerate(inputs):
         if p.type not in ("shards", "tokenizer", "model"):
             raise ValueError(f"input {i} is {p.describe()}; sft reads chat shards, a tokenizer and a model")
@@ -172,6 +193,6 @@ def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
     return Port("model")
 
 
-STAGE = StageDef(kind="sft", version="1", code=("trainer.entry", "trainer.sft"),  # the child's code
+STAGE = StageDef(kind="sft", version="1", code=("trainer.entry", "trainer.sft", "trainer.tokens"),  # the child's code
                  config=SftConfig, run=run, output_port=output_port, wants_runtime=True,
                  description="chat shards -> fine-tuned model or LoRA adapter (TRL SFTTrainer, full/lora/qlora)")

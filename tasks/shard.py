@@ -75,6 +75,16 @@ def run(cfg: ShardConfig, inputs: list[Artifact], out: Path) -> ShardResult:
         for w in writers.values():
             w.close()
     progress.done()
+    shards = written_shards(out, counts)
+    return ShardResult(data_kind=src.result["data_kind"], train_samples=counts["train"],
+                       validation_samples=counts["validation"],
+                       num_shards={s: sum(1 for x in shards if x["split"] == s) for s in SPLITS},
+                       bytes=sum(x["bytes"] for x in shards), shards=shards)
+
+
+def written_shards(out: Path, counts: dict[str, int]) -> list[dict]:
+    """The shard tars a `webdataset.ShardWriter` per split left in `out` (`{split}-%06d.tar`), as the result lists
+    them: name, split, bytes, sha256 and samples. An empty split's tar (ShardWriter leaves one) is removed."""
     shards = []
     for split in SPLITS:
         files = sorted(out.glob(f"{split}-*.tar"))
@@ -88,10 +98,7 @@ def run(cfg: ShardConfig, inputs: list[Artifact], out: Path) -> ShardResult:
         shards += [{"name": f.name, "split": split, "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
     # per-shard sample counts: ShardWriter rolls over at max_count or max_bytes, so count by reading back
     _count_samples(out, shards)
-    return ShardResult(data_kind=src.result["data_kind"], train_samples=counts["train"],
-                       validation_samples=counts["validation"],
-                       num_shards={s: sum(1 for x in shards if x["split"] == s) for s in SPLITS},
-                       bytes=sum(x["bytes"] for x in shards), shards=shards)
+    return shards
 
 
 def _count_samples(out: Path, shards: list[dict]) -> None:

@@ -66,6 +66,9 @@ class JobSpec(BaseModel):
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
     monitoring: TrainingMonitoring | None = None  # Prometheus endpoint / Pushgateway of rank 0 (trainer.monitoring)
+    #: the shards are a `tokenize` stage's token rows (tasks/tokenize.py): their rows per shard, chat template,
+    #: tokenizer fingerprint and row settings; None: the shards hold records the recipe tokenizes itself
+    token_data: dict[str, Any] | None = None
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.model_dump(mode="json"), indent=2))

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainer import batching, chat_templates, checkpoint, data, distributed, models
 from trainer.args import training_args
-from trainer.job import JobSpec, materialize, rank
+from trainer.job import JobSpec, materialize, rank, world_size
 from trainer.metrics import MetricsCallback, peak_memory_mb
 from trainer.settings import SftSettings
 
@@ -35,29 +35,44 @@ def train(spec: JobSpec) -> dict[str, Any]:
     models.check_max_length(models.load_config(res), s.max_length_tokens, res)
 
     # 2. data, and a chat template that marks assistant turns for assistant-only loss
-    train_ds = data.chat_dataset(spec.train_shards, f"stage {spec.stage} train split", s.max_train_records)
-    eval_ds = data.chat_dataset(spec.validation_shards, f"stage {spec.stage} validation split") if s.evaluate else None
-    if s.assistant_only_loss:
-        marked = chat_templates.training_template(tokenizer, train_ds[:20]["messages"])
-        if marked is not None:
-            tokenizer.chat_template = marked  # renders the same text; saved with the model
+    streamed = spec.token_data is not None
+    if streamed:  # a tokenize stage's rows, streamed from the store (trainer/tokens.py)
+        train_ds, eval_ds, steps = _token_data(spec, s, tokenizer)
+    else:
+        train_ds = data.chat_dataset(spec.train_shards, f"stage {spec.stage} train split", s.max_train_records)
+        eval_ds = data.chat_dataset(spec.validation_shards, f"stage {spec.stage} validation split") \
+            if s.evaluate else None
+        if s.assistant_only_loss:
+            marked = chat_templates.training_template(tokenizer, train_ds[:20]["messages"])
+            if marked is not None:
+                tokenizer.chat_template = marked  # renders the same text; saved with the model
 
     # 3. model: full, or LoRA adapters on a full-precision (lora) or 4-bit NF4 (qlora) base
     model, _ = models.load_for_training(res, tokenizer, method=s.method, lora=s.lora, seed=s.seed, work_dir=work,
                                         dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
 
     # 4. trainer
-    args = SFTConfig(**training_args(s, work), packing=s.packing, packing_strategy=s.packing_strategy,
-                     assistant_only_loss=s.assistant_only_loss)
+    targs = training_args(s, work)
+    if streamed:
+        targs["max_steps"] = steps  # a stream has no length: the epochs become steps (see _token_data)
+    args = SFTConfig(**targs, packing=s.packing, packing_strategy=s.packing_strategy,
+                     assistant_only_loss=s.assistant_only_loss and not streamed)  # token rows carry their labels
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                         processing_class=tokenizer, callbacks=[ckpt, metrics])
+    trainer_class = _stream_trainer_class(SFTTrainer) if streamed else SFTTrainer
+    trainer = trainer_class(model=model, args=args, train_dataset=train_ds.first_rows() if streamed else train_ds,
+                            eval_dataset=eval_ds, processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
-    batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
+    if streamed:
+        trainer.train_dataset = train_ds  # TRL prepared a few rows to check them; the stream is what trains
+    else:
+        batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
     meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
-    dropped = 0 if s.packing else len(train_ds) - len(trainer.train_dataset)
-    if dropped:  # TRL drops them silently: truncation to max_length_tokens left no assistant token to learn from
+    if streamed:
+        dropped = spec.token_data["dropped_no_label"]["train"]  # counted once, by the tokenize stage
+    else:
+        dropped = 0 if s.packing else len(train_ds) - len(trainer.train_dataset)
+    if dropped and not streamed:  # TRL drops them silently: truncation to max_length_tokens left no assistant token to learn from
         log.warning("%d of %d conversations have no assistant token within max_length_tokens %d and are skipped",
                     dropped, len(train_ds), s.max_length_tokens)
 
@@ -82,12 +97,14 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "method": s.method,
         "base_model": res.describe,
         "format": info.get("format", ""),
-        "train_records": len(train_ds),
-        "train_rows": len(trainer.train_dataset),  # after tokenizing, dropping and packing
+        "train_records": train_ds.rows + dropped if streamed else len(train_ds),
+        "train_rows": train_ds.rows if streamed else len(trainer.train_dataset),  # after tokenizing, dropping, packing
         "dropped_fully_masked": dropped,
         "validation_records": len(eval_ds) if eval_ds is not None else 0,
+        "token_shards": spec.token_data["artifact"] if streamed else None,  # streamed rows of a tokenize stage
         "steps": state.global_step,
-        "epochs": round(float(state.epoch or 0), 4),
+        "epochs": round(state.global_step * s.grad_accumulation_steps * s.batch_size_per_device * world_size()
+                        / train_ds.rows, 4) if streamed else round(float(state.epoch or 0), 4),
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
         "eval_loss": eval_loss,
@@ -101,3 +118,62 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "resumed_from_step": spec.resume_step or 0,
         "checkpoints_uploaded": ckpt.uploaded,
     }
+
+
+def _token_data(spec: JobSpec, s: SftSettings, tokenizer):
+    """(train stream, validation rows or None, optimizer steps) from a tokenize stage's token shards.
+
+    The rows were made with this model's tokenizer (checked by its fingerprint) and the chat template the
+    tokenize stage picked (set on the tokenizer, so the saved model carries it). Steps: `max_steps`, else
+    ceil(epochs x micro-batches per rank per pass / grad_accumulation_steps), as the Trainer counts a map-style
+    epoch."""
+    import math
+
+    import datasets
+
+    from lmforge.errors import DataError
+    from trainer import tokens
+    td = spec.token_data
+    where = f"stage {spec.stage} train split ({td['artifact']})"
+    mine = tokens.tokenizer_fingerprint(tokenizer)
+    if mine != td["tokenizer_fingerprint"]:
+        raise DataError(where, f"the token shards were made with another tokenizer (fingerprint "
+                        f"{td['tokenizer_fingerprint']}, this model's is {mine})", "give the tokenize stage the same "
+                        "tokenizer and model inputs (or base_model) as this stage")
+    for field in ("max_length_tokens", "assistant_only_loss"):
+        if td[field] != getattr(s, field):
+            raise DataError(where, f"the token rows were made with {field} {td[field]}, this stage trains with "
+                            f"{getattr(s, field)}", f"set the same {field} on both stages (or leave it out of the "
+                            "tokenize stage)")
+    tokenizer.chat_template = td["chat_template"] or tokenizer.chat_template
+    stream = tokens.TokenRowStream(spec.train_shards, td["rows_per_shard"]["train"],
+                                   batch_size=s.batch_size_per_device, buffer_batches=s.length_group_buffer,
+                                   group_by_length=s.group_by_length, seed=s.seed, where=where,
+                                   max_rows=s.max_train_records)
+    eval_ds = None
+    if s.evaluate and spec.validation_shards:
+        rows = tokens.read_rows(spec.validation_shards, f"stage {spec.stage} validation split")
+        eval_ds = datasets.Dataset.from_list(rows) if rows else None
+    per_rank = math.ceil(stream.rows / (s.batch_size_per_device * world_size()))
+    steps = s.max_steps or max(1, math.ceil(s.epochs * max(per_rank // s.grad_accumulation_steps, 1)))
+    log.info("%s: %d rows streamed, %d optimizer steps (%s)", where, stream.rows, steps,
+             f"max_steps" if s.max_steps else f"{s.epochs:g} epoch(s)")
+    return stream, eval_ds, steps
+
+
+def _stream_trainer_class(base):
+    """`base` (a TRL trainer), except that a token stream gets this rank's own DataLoader (trainer.stream.loader)
+    with the trainer's collator, as pretrain's StreamTrainer does."""
+    from trainer import stream
+    from trainer.tokens import TokenRowStream
+
+    class StreamingTrainer(base):
+        def get_train_dataloader(self):
+            if not isinstance(self.train_dataset, TokenRowStream):
+                return super().get_train_dataloader()
+            a = self.args
+            return stream.loader(self.train_dataset, batch_size=self._train_batch_size,
+                                 num_workers=a.dataloader_num_workers, prefetch_factor=a.dataloader_prefetch_factor,
+                                 pin_memory=a.dataloader_pin_memory, collate_fn=self.data_collator)
+
+    return StreamingTrainer

@@ -1,0 +1,225 @@
+"""tokenize: chat shards -> token shards (ids and labels), once, for every sft run that shares them.
+
+Every sft run used to tokenize its data again, even when only the learning rate changed. A `tokenize` stage does
+it once; its artifact id depends on the data, the tokenizer (its inputs, or `base_model`'s identity), the chat
+template it trains with, max_length_tokens and assistant_only_loss, and on nothing that only steers training, so
+any number of sft stages (other learning rates, epochs, LoRA ranks, ...) read the same token shards, and a second
+run of the pipeline reuses them. The sft stage then streams the rows from the store (trainer/tokens.py), shard by
+shard, so the data set is bounded by the store, not by the training process's memory.
+
+    stages:
+      sft_tokens: {kind: tokenize, inputs: [chat_shards, tokenizer]}
+      sft:        {kind: sft, inputs: [sft_tokens, tokenizer], max_length_tokens: 256, learning_rate: 1e-3}
+
+The settings that shape the rows (base_model, max_length_tokens, assistant_only_loss) are taken from the stages
+that read the token shards when they are not set here (parse_config's `link`); set and different from a
+reader's, or different between two readers, is a config error naming both fields. The tokenize stage's
+tokenizer/model inputs must be the reader's, so both sides load the same tokenizer (the training process checks it
+again by the vocabulary's fingerprint).
+
+Rows are what TRL's SFTTrainer prepares (trainer/tokens.sft_row): the chat template (a marked copy for
+assistant-only loss, as the sft stage picks it, saved as `chat_template.jinja` and used by the training stage),
+ids and labels cut to max_length_tokens, rows without a label dropped and counted. Records are read one shard at a
+time and written to token shards of at most `rows_per_shard` rows with `mtime=0` (the same data gives the same
+bytes); the train and validation splits keep the shard stage's split.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from lmforge import interrupt
+from lmforge.config import StageConfig
+from lmforge.errors import ConfigError, DataError
+from lmforge.log import Progress
+from lmforge.shards import SPLITS, iter_shards, shard_refs
+from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.store import Artifact
+from trainer.models import ModelSource
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_FILE = "chat_template.jinja"
+ROW_SETTINGS = ("base_model", "max_length_tokens", "assistant_only_loss")  # taken from the readers when unset
+READERS = ("sft",)  # stage kinds that train on token shards
+
+
+class TokenizeConfig(StageConfig):
+    kind: Literal["tokenize"] = Field(description="Chat shards -> token shards (ids and labels), made once and "
+                                      "streamed by every sft stage that reads them.")
+    base_model: ModelSource | None = Field(None, description="Whose tokenizer and chat template, unless a tokenizer "
+                                           "or model input gives them; unset: the reading stage's base_model.")
+    max_length_tokens: int | None = Field(None, gt=0, description="Rows are cut to this many tokens; unset: the "
+                                          "reading stage's max_length_tokens.")
+    assistant_only_loss: bool | None = Field(None, description="Labels on assistant tokens only; unset: the "
+                                             "reading stage's setting.")
+    rows_per_shard: int = Field(10_000, gt=0, description="Most rows per token shard.")
+
+    def settings(self) -> dict:
+        from tasks.sft import model_source_identity
+
+        return model_source_identity(super().settings(), self.base_model, self.project_root)
+
+
+class TokenizeResult(Result):
+    data_kind: str
+    train_rows: int
+    validation_rows: int
+    dropped_no_label: dict[str, int]
+    tokens: dict[str, int]
+    label_tokens: dict[str, int]
+    longest_row: int
+    max_length_tokens: int
+    assistant_only_loss: bool
+    tokenizer_fingerprint: str
+    num_shards: dict[str, int]
+    bytes: int
+    shards: list[dict]
+
+
+def run(cfg: TokenizeConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> TokenizeResult:
+    import webdataset as wds
+
+    from tasks.sft import by_type
+    from tasks.shard import written_shards
+    from trainer import chat_templates, launch, models, tokens
+    from trainer.errors import SettingError
+    from trainer.job import ArtifactRef, materialize
+
+    found = by_type(inputs)
+    shards = found["shards"][0]
+    tok_art, model_art = found.get("tokenizer", [None])[0], found.get("model", [None])[0]
+    max_length = cfg.max_length_tokens or 1024
+    aol = True if cfg.assistant_only_loss is None else cfg.assistant_only_loss
+    base = cfg.base_model
+    if base is not None and base.path is not None:
+        base = base.model_copy(update={"path": str(cfg.local_path(base.path))})
+    try:
+        with launch.work_dir(runtime.stage, runtime.artifact_id) as work:
+            res = models.resolve(base, ArtifactRef.of(model_art) if model_art else None, work)
+            tokenizer = models.load_tokenizer(res, materialize(ArtifactRef.of(tok_art), work) if tok_art else None)
+        if aol:  # the template the sft stage would pick: a marked copy that renders the same text
+            first = [r["messages"] for r in itertools.islice(iter_shards(shard_refs(shards, "train")), 20)
+                     if "messages" in r]
+            marked = chat_templates.training_template(tokenizer, first)
+            if marked is not None:
+                tokenizer.chat_template = marked
+    except SettingError as e:
+        raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
+    (out / TEMPLATE_FILE).write_text(tokenizer.chat_template or "")
+
+    counts, dropped = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    ntok, nlab, longest = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), 0
+    total = sum(shards.result.get(f"{s}_samples", 0) for s in SPLITS) or None
+    progress = Progress(log, f"tokenize {shards.kind}/{shards.id}", total=total)
+    for split in SPLITS:
+        refs = shard_refs(shards, split)
+        writer = wds.ShardWriter(str(out / f"{split}-%06d.tar"), maxcount=cfg.rows_per_shard, verbose=0, mtime=0)
+        try:
+            for k, rec in enumerate(interrupt.checked(iter_shards(refs), f"tokenize {split}")):
+                where = f"stage {runtime.stage}: {shards.kind}/{shards.id} {split} record {k} (id {rec.get('id', '?')})"
+                if not isinstance(rec.get("messages"), list):
+                    raise DataError(where, f"no messages (fields: {', '.join(sorted(rec))})",
+                                    "feed the tokenize stage chat shards")
+                row = tokens.sft_row(tokenizer, rec["messages"], max_length=max_length, assistant_only_loss=aol,
+                                     where=where)
+                progress.update()
+                if row is None:
+                    dropped[split] += 1
+                    continue
+                writer.write({"__key__": f"{counts[split]:09d}", "json": {"id": rec.get("id"), **row}})
+                counts[split] += 1
+                ntok[split] += len(row["input_ids"])
+                nlab[split] += sum(x != tokens.IGNORE for x in row["labels"])
+                longest = max(longest, len(row["input_ids"]))
+        finally:
+            writer.close()
+    progress.done()
+    if counts["train"] == 0:
+        raise DataError(f"stage {runtime.stage}", f"no training row has an assistant token within max_length_tokens "
+                        f"{max_length} ({dropped['train']} dropped)", "raise max_length_tokens or check the data")
+    if any(dropped.values()):
+        log.warning("stage %s: %s conversation(s) have no label within max_length_tokens %d and are dropped",
+                    runtime.stage, dropped, max_length)
+    written = written_shards(out, counts)
+    return TokenizeResult(
+        data_kind="sft_tokens", train_rows=counts["train"], validation_rows=counts["validation"],
+        dropped_no_label=dropped, tokens=ntok, label_tokens=nlab, longest_row=longest, max_length_tokens=max_length,
+        assistant_only_loss=aol, tokenizer_fingerprint=tokens.tokenizer_fingerprint(tokenizer),
+        num_shards={s: sum(1 for x in written if x["split"] == s) for s in SPLITS},
+        bytes=sum(x["bytes"] for x in written), shards=written)
+
+
+def output_port(cfg: TokenizeConfig, inputs: list[Port]) -> Port:
+    shards = [p for p in inputs if p.type == "shards"]
+    if len(shards) != 1 or shards[0].data_kind != "chat":
+        got = ", ".join(p.describe() for p in shards) or "none"
+        raise ValueError(f"tokenize reads exactly one chat shards input (got {got})")
+    for i, p in enumerate(inputs):
+        if p.type not in ("shards", "tokenizer", "model"):
+            raise ValueError(f"input {i} is {p.describe()}; tokenize reads chat shards, a tokenizer and a model")
+    for t in ("tokenizer", "model"):
+        if sum(p.type == t for p in inputs) > 1:
+            raise ValueError(f"tokenize takes at most one {t} input")
+    has_model = any(p.type == "model" for p in inputs)
+    if cfg.base_model is None and not has_model:
+        raise ValueError("tokenize needs a tokenizer: set base_model, add a model input, or let an sft stage that "
+                         "reads it lend its base_model")
+    if cfg.base_model is not None and cfg.base_model.config is not None \
+            and not any(p.type == "tokenizer" for p in inputs):
+        raise ValueError("a base_model built from config has no tokenizer; add a tokenizer stage to inputs")
+    return Port("shards", "sft_tokens")
+
+
+def link(name: str, cfg: TokenizeConfig, stages: dict[str, StageConfig]) -> dict[str, StageConfig]:
+    """parse_config's hook: unset row settings come from the stages that read this one; set ones must agree with
+    them, and the readers' tokenizer/model inputs must be this stage's. ValueError names the field at fault."""
+    readers = {n: s for n, s in stages.items() if name in s.inputs and n != name}
+    for n, s in readers.items():
+        if s.kind not in READERS:
+            continue  # the graph check reports a reader that cannot take token shards
+        mine = [i for i in cfg.inputs if stages.get(i) is not None and _lends_tokenizer(stages[i])]
+        theirs = [i for i in s.inputs if i != name]
+        if sorted(mine) != sorted(theirs):
+            raise ValueError(f"inputs: the tokenizer/model inputs {mine} differ from stage {n}'s other inputs "
+                             f"{theirs}; give both stages the same tokenizer and model inputs")
+    update: dict = {}
+    for field in ROW_SETTINGS:
+        values = {n: getattr(s, field) for n, s in readers.items() if s.kind in READERS}
+        mine = getattr(cfg, field)
+        for n, v in values.items():
+            if mine is not None and v != mine:
+                raise ValueError(f"{field}: {_show(mine)} differs from stages.{n}.{field} ({_show(v)}); the token "
+                                 f"rows must be made as stage {n} trains on them: leave {field} out here, or set "
+                                 "the same value")
+        distinct = {repr(v): (n, v) for n, v in values.items()}
+        if mine is None and len(distinct) > 1:
+            a, b = list(distinct.values())[:2]
+            raise ValueError(f"{field}: stages {a[0]} and {b[0]} read these token shards with different {field} "
+                             f"({_show(a[1])} vs {_show(b[1])}); give each its own tokenize stage")
+        if mine is None and distinct:
+            update[field] = next(iter(distinct.values()))[1]
+    if not update:
+        return {}
+    new = cfg.model_copy(update=update)
+    new._root = cfg._root
+    return {name: new}
+
+
+def _lends_tokenizer(s: StageConfig) -> bool:
+    """A stage whose output carries a tokenizer: a tokenizer stage or a model-producing stage."""
+    return s.kind not in ("ingest", "filter", "dedup", "shard", "mix", "decontaminate", "tokenize", "eval",
+                          "preflight")
+
+
+def _show(v) -> str:
+    return v.model_dump_json(exclude_none=True) if hasattr(v, "model_dump_json") else repr(v)
+
+
+STAGE = StageDef(kind="tokenize", version="1", config=TokenizeConfig, run=run, output_port=output_port,
+                 wants_runtime=True, code=("trainer.tokens", "trainer.chat_templates"), link=link,
+                 description="chat shards -> token shards (ids, labels) made once for the sft stages that read them")

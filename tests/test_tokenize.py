@@ -1,0 +1,138 @@
+"""Tokenize once, stream always (issue 13 §4): the `tokenize` stage's token shards, reused by every sft that shares
+them, streamed by the training process with bounded memory and exact resume.
+
+Tiny models as in tests/test_trainer.py: a 2-layer Llama from a config and a tokenizer trained on the test's data.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmforge.config import parse_config
+from lmforge.errors import ConfigError
+from lmforge.executor import RunContext, execute_stage
+from lmforge.plan import make_plan
+from tests.conftest import write_jsonl
+from tests.test_trainer import SFT_FAST, TINY_LLAMA, _kill_after_first_checkpoint, artifact, chat_rows, pipeline
+
+TOK = {"kind": "tokenize", "inputs": ["shard", "tokenizer"], "retries": 0}
+
+
+def sft(**over) -> dict[str, Any]:
+    return {"kind": "sft", "inputs": ["tokens", "tokenizer"], "base_model": {"config": TINY_LLAMA}, **SFT_FAST,
+            "evaluate": True, "control_prompts": [], **over}
+
+
+def run(root: Path, kinds, stages: dict[str, dict], names: list[str]):
+    plan = make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
+    ctx = RunContext(plan=plan, kinds=kinds)
+    return plan, {n: execute_stage(ctx, n) for n in names}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, kinds_module):
+    root = tmp_path_factory.mktemp("tokenize")
+    write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
+    run(root, kinds_module, {}, ["ingest", "shard", "tokenizer"])
+    return root
+
+
+def test_token_rows_are_what_trl_prepares(root, kinds_module):
+    """The tokenize stage's rows equal SFTTrainer's own prepared train_dataset (ids and labels), row for row."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from lmforge.shards import iter_samples
+
+    plan, _ = run(root, kinds_module, {"tokens": TOK, "sft": sft()}, ["tokens"])
+    tokens = artifact(plan, "tokens")
+    assert tokens.result["data_kind"] == "sft_tokens" and tokens.result["max_length_tokens"] == 64  # from the sft
+    ours = [(r["input_ids"], r["labels"]) for r in iter_samples(tokens, "train")]
+    tok = AutoTokenizer.from_pretrained(artifact(plan, "tokenizer").path)
+    tok.chat_template = (Path(tokens.path) / "chat_template.jinja").read_text()
+    import datasets
+    chats = datasets.Dataset.from_list([{"messages": r["messages"]} for r in iter_samples(artifact(plan, "shard"))])
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"},
+                                         vocab_size=len(tok)))
+    trl = SFTTrainer(model=model, processing_class=tok, train_dataset=chats,
+                     args=SFTConfig(output_dir=str(root / "trl"), max_length=64, assistant_only_loss=True,
+                                    use_cpu=True, report_to=[], shuffle_dataset=False))
+    theirs = [(r["input_ids"], r["labels"]) for r in trl.train_dataset]
+    assert len(ours) == len(theirs) == tokens.result["train_rows"] > 100
+    assert ours == theirs
+    assert any(-100 in lab for _, lab in ours) and all(any(x != -100 for x in lab) for _, lab in ours)
+
+
+def test_sfts_with_other_learning_rates_reuse_the_token_shards(root, kinds_module):
+    """Two sft stages that differ only in learning rate read one tokenize artifact: made once, then planned as
+    cached; each sft streams it (its result names it) and trains."""
+    stages = {"tokens": TOK, "sft_a": {**sft(learning_rate=3e-3, max_steps=6)}}
+    plan, out = run(root, kinds_module, stages, ["tokens", "sft_a"])
+    made = artifact(plan, "tokens")
+    stages["sft_b"] = sft(learning_rate=1e-3, max_steps=6)
+    plan2 = make_plan(parse_config(pipeline(root, stages), kinds_module, root=root), kinds_module)
+    assert plan2.stages["tokens"].artifact_id == made.id and plan2.stages["tokens"].action == "cached"
+    assert plan2.stages["sft_b"].action == "run"
+    ctx = RunContext(plan=plan2, kinds=kinds_module)
+    assert execute_stage(ctx, "tokens")["status"] == "cached"  # not tokenized again
+    assert execute_stage(ctx, "sft_b")["status"] == "ran"
+    token_artifacts = [p for p in Path(plan.store.root, "tokenize").iterdir() if (p / "manifest.json").exists()]
+    assert [p.name for p in token_artifacts] == [made.id]  # one tokenize artifact for both runs
+    for name, p in (("sft_a", plan), ("sft_b", plan2)):
+        r = artifact(p, name).result
+        assert r["token_shards"] == f"tokenize/{made.id}"
+        assert r["steps"] == 6 and r["train_rows"] == made.result["train_rows"]
+        assert r["eval_loss"] is not None and r["train_loss_last"] < r["train_loss_first"]
+        assert r["padding_fraction"] is not None
+    assert artifact(plan, "sft_a").id != artifact(plan2, "sft_b").id
+
+
+def test_streamed_epochs_become_steps(root, kinds_module):
+    """Two epochs of the streamed split: ceil(rows / batch) x 2 optimizer steps, as the Trainer counts a map-style
+    epoch; the length-grouped stream pads far less than the rows would in a random order."""
+    plan, _ = run(root, kinds_module, {"tokens": TOK, "sft_ep": sft(epochs=2, batch_size_per_device=16)},
+                  ["tokens", "sft_ep"])
+    rows = artifact(plan, "tokens").result["train_rows"]
+    r = artifact(plan, "sft_ep").result
+    assert r["steps"] == 2 * -(-rows // 16)
+    assert 1.9 < r["epochs"] < 2.2
+
+
+def test_resumed_streamed_run_ends_with_the_same_weights(root, kinds_module, tmp_path):
+    """SIGKILL after a checkpoint, rerun: the stream skips what the checkpoint consumed and the weights equal an
+    uninterrupted run's, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    stage = sft(method="full", max_steps=40, checkpoint_every_steps=2, evaluate=False, seed=1)
+    stages = {"tokens": TOK, "resume": stage}
+    run(root, kinds_module, stages, ["tokens"])
+    killed_at, _ = _kill_after_first_checkpoint(root, kinds_module, stages, "resume")
+    plan, _ = run(root, kinds_module, stages, ["resume"])
+    resumed = artifact(plan, "resume")
+    assert resumed.result["resumed_from_step"] == killed_at > 0
+    write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(200))  # a second store, same data
+    plan2, _ = run(tmp_path, kinds_module, {"tokens": TOK, "resume": {**stage, "checkpoint_every_steps": None}},
+                   ["ingest", "shard", "tokenizer", "tokens", "resume"])
+    straight = artifact(plan2, "resume")
+    assert straight.id == resumed.id and straight.result["resumed_from_step"] == 0
+    a, b = load_file(f"{resumed.path}/model.safetensors"), load_file(f"{straight.path}/model.safetensors")
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_row_settings_must_agree_with_the_reader(root, kinds_module):
+    bad = {"tokens": {**TOK, "max_length_tokens": 32}, "sft": sft()}
+    with pytest.raises(ConfigError) as e:
+        parse_config(pipeline(root, bad), kinds_module, root=root)
+    assert "stages.tokens.max_length_tokens: 32 differs from stages.sft.max_length_tokens (64)" in str(e.value)
+    two = {"tokens": TOK, "a": sft(), "b": sft(max_length_tokens=48)}
+    with pytest.raises(ConfigError) as e:
+        parse_config(pipeline(root, two), kinds_module, root=root)
+    assert "stages.tokens.max_length_tokens: stages a and b read these token shards" in str(e.value)
+    other_inputs = {"tokens": {**TOK, "inputs": ["shard"], "base_model": {"config": TINY_LLAMA}}, "sft": sft()}
+    with pytest.raises(ConfigError) as e:
+        parse_config(pipeline(root, other_inputs), kinds_module, root=root)
+    assert "stages.tokens.inputs: the tokenizer/model inputs [] differ from stage sft's" in str(e.value)
