@@ -159,7 +159,8 @@ def token_data(shards: Artifact) -> dict | None:
     with shards.open_verified(TEMPLATE_FILE) as f:
         template = f.read().decode()
     return {"artifact": f"{shards.kind}/{shards.id}", "stage": shards.producer,
-            "rows_per_shard": {s: [x["samples"] for x in r["shards"] if x["split"] == s] for s in ("train", "validation")},
+            "rows_per_shard": {s: [x["samples"] for x in r["shards"] if x["split"] == s]
+                               for s in ("train", "validation")},
             "chat_template": template, "tokenizer_fingerprint": r["tokenizer_fingerprint"],
             "max_length_tokens": r["max_length_tokens"], "assistant_only_loss": r["assistant_only_loss"],
             "dropped_no_label": r["dropped_no_label"]}

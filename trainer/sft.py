@@ -60,8 +60,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
     trainer_class = _stream_trainer_class(SFTTrainer) if streamed else SFTTrainer
-    trainer = trainer_class(model=model, args=args, train_dataset=train_ds.first_rows() if streamed else train_ds,
-                            eval_dataset=eval_ds, processing_class=tokenizer, callbacks=[ckpt, metrics])
+    trainer = trainer_class(model=model, args=args, eval_dataset=eval_ds, processing_class=tokenizer,
+                            train_dataset=train_ds.first_rows() if streamed else train_ds, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
     if streamed:
         trainer.train_dataset = train_ds  # TRL prepared a few rows to check them; the stream is what trains
