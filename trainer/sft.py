@@ -72,7 +72,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         dropped = spec.token_data["dropped_no_label"]["train"]  # counted once, by the tokenize stage
     else:
         dropped = 0 if s.packing else len(train_ds) - len(trainer.train_dataset)
-    if dropped and not streamed:  # TRL drops them silently: truncation to max_length_tokens left no assistant token to learn from
+    if dropped and not streamed:  # TRL drops them silently: truncation left no assistant token to learn from
         log.warning("%d of %d conversations have no assistant token within max_length_tokens %d and are skipped",
                     dropped, len(train_ds), s.max_length_tokens)
 
