@@ -179,3 +179,37 @@ def test_a_data_set_larger_than_the_memory_cap_trains_with_bounded_rss(root, kin
     print(f"peak RSS {small['peak_memory_mb']} MB (180 rows) vs {big['peak_memory_mb']} MB ({n} rows, "
           f"{toks} tokens, {in_memory_mb:.0f} MB as lists)")
     assert grew < MEMORY_CAP_MB, (small["peak_memory_mb"], big["peak_memory_mb"], in_memory_mb)
+
+
+def test_a_damaged_token_shard_stops_the_training_and_names_the_file(root, kinds_module):
+    """A byte flipped in a token shard after it was published: the sft that streams it fails before training on
+    it, naming the tokenize artifact, the file and the stage to rerun; nothing is published."""
+    from trainer.errors import TrainingError
+    from lmforge.errors import ArtifactError
+
+    stages = {"tokens": TOK, "sft_dmg": sft(max_steps=4, learning_rate=7e-3, evaluate=False)}
+    plan, _ = run(root, kinds_module, stages, ["tokens"])
+    made = artifact(plan, "tokens")
+    shard = Path(made.path) / "train-000000.tar"
+    good = shard.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01
+    shard.write_bytes(bytes(bad))
+    try:
+        with pytest.raises((TrainingError, ArtifactError)) as e:
+            run(root, kinds_module, stages, ["sft_dmg"])
+    finally:
+        shard.write_bytes(good)
+    msg = str(e.value)
+    assert f"artifact tokenize/{made.id}, file train-000000.tar: content does not match its manifest" in msg
+    assert "rerun stage 'tokens' with --force" in msg
+    assert plan.store.get("sft", plan.stages["sft_dmg"].artifact_id) is None
+
+
+def test_a_preflight_tries_an_sft_that_streams_token_shards(root, kinds_module):
+    """preflight takes its training stage's inputs: the token shards, whose row settings follow that stage."""
+    stages = {"tokens": TOK, "sft_pf": sft(max_steps=20), "pf": {"kind": "preflight", "stage": "sft_pf",
+                                                                 "steps": 3, "retries": 0}}
+    plan, out = run(root, kinds_module, stages, ["tokens", "pf"])
+    r = artifact(plan, "pf").result
+    assert plan.stages["pf"].inputs == ["tokens", "tokenizer"] and r["reload_ok"] and r["steps"] == 3
