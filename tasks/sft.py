@@ -170,27 +170,33 @@ def run(cfg: SftConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime
     return SftResult(**launch_training("sft", cfg, inputs, out, runtime))
 
 
-def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
+def check_model_inputs(cfg, inputs: list[Port], stage: str, data_kinds: tuple[str, ...], reads: str) -> None:
+    """The inputs of a stage that loads a model's tokenizer (sft, tokenize): one shards input of `data_kinds`, at
+    most one tokenizer and one model, and exactly one model source. Raises ValueError naming the problem."""
     shards = [p for p in inputs if p.type == "shards"]
-    if len(shards) != 1 or shards[0].data_kind not in ("chat", "sft_tokens"):
+    if len(shards) != 1 or shards[0].data_kind not in data_kinds:
         got = ", ".join(p.describe() for p in shards) or "none"
-        raise ValueError(f"sft reads exactly one chat shards (or tokenize stage's sft_tokens shards) input "
-                         f"(got {got})")
+        raise ValueError(f"{stage} reads exactly one {reads} input (got {got})")
     for i, p in enumerate(inputs):
         if p.type not in ("shards", "tokenizer", "model"):
-            raise ValueError(f"input {i} is {p.describe()}; sft reads chat shards, a tokenizer and a model")
+            raise ValueError(f"input {i} is {p.describe()}; {stage} reads chat shards, a tokenizer and a model")
     for t in ("tokenizer", "model"):
         if sum(p.type == t for p in inputs) > 1:
-            raise ValueError(f"sft takes at most one {t} input")
+            raise ValueError(f"{stage} takes at most one {t} input")
     has_model = any(p.type == "model" for p in inputs)
     if cfg.base_model is None and not has_model:
-        raise ValueError("sft needs a base model: set base_model (config, path, package+file or hub) or add a "
+        raise ValueError(f"{stage} needs a base model: set base_model (config, path, package+file or hub) or add a "
                          "model stage to inputs")
     if cfg.base_model is not None and has_model:
         raise ValueError("both base_model and a model input are given; keep one of them")
     has_tokenizer = any(p.type == "tokenizer" for p in inputs)
     if cfg.base_model is not None and cfg.base_model.config is not None and not has_tokenizer:
         raise ValueError("a base_model built from config has no tokenizer; add a tokenizer stage to inputs")
+
+
+def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
+    check_model_inputs(cfg, inputs, "sft", ("chat", "sft_tokens"),
+                       "chat shards (or a tokenize stage's sft_tokens shards)")
     return Port("model")
 
 

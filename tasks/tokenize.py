@@ -155,23 +155,9 @@ def run(cfg: TokenizeConfig, inputs: list[Artifact], out: Path, runtime: StageRu
 
 
 def output_port(cfg: TokenizeConfig, inputs: list[Port]) -> Port:
-    shards = [p for p in inputs if p.type == "shards"]
-    if len(shards) != 1 or shards[0].data_kind != "chat":
-        got = ", ".join(p.describe() for p in shards) or "none"
-        raise ValueError(f"tokenize reads exactly one chat shards input (got {got})")
-    for i, p in enumerate(inputs):
-        if p.type not in ("shards", "tokenizer", "model"):
-            raise ValueError(f"input {i} is {p.describe()}; tokenize reads chat shards, a tokenizer and a model")
-    for t in ("tokenizer", "model"):
-        if sum(p.type == t for p in inputs) > 1:
-            raise ValueError(f"tokenize takes at most one {t} input")
-    has_model = any(p.type == "model" for p in inputs)
-    if cfg.base_model is None and not has_model:
-        raise ValueError("tokenize needs a tokenizer: set base_model, add a model input, or let an sft stage that "
-                         "reads it lend its base_model")
-    if cfg.base_model is not None and cfg.base_model.config is not None \
-            and not any(p.type == "tokenizer" for p in inputs):
-        raise ValueError("a base_model built from config has no tokenizer; add a tokenizer stage to inputs")
+    from tasks.sft import check_model_inputs
+
+    check_model_inputs(cfg, inputs, "tokenize", ("chat",), "chat shards")  # base_model: the reader's, if unset
     return Port("shards", "sft_tokens")
 
 

@@ -33,27 +33,9 @@ from trainer.settings import PretrainSettings
 log = logging.getLogger(__name__)
 
 
-def _trainer_class():
-    from torch.utils.data import IterableDataset
-    from transformers import Trainer
-
-    class StreamTrainer(Trainer):
-        """The Trainer, except that a stream gets this rank's own DataLoader (see `trainer.stream.loader`)."""
-
-        def get_train_dataloader(self):
-            if not isinstance(self.train_dataset, IterableDataset):
-                return super().get_train_dataloader()
-            a = self.args
-            return stream.loader(self.train_dataset, batch_size=self._train_batch_size,
-                                 num_workers=a.dataloader_num_workers, prefetch_factor=a.dataloader_prefetch_factor,
-                                 pin_memory=a.dataloader_pin_memory, collate_fn=self.data_collator)
-
-    return StreamTrainer
-
-
 def train(spec: JobSpec) -> dict[str, Any]:
     import datasets
-    from transformers import PrinterCallback, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainingArguments
 
     s = PretrainSettings.model_validate(spec.settings)
     work, out = Path(spec.work_dir), Path(spec.output_dir)
@@ -94,8 +76,9 @@ def train(spec: JobSpec) -> dict[str, Any]:
     args = TrainingArguments(**{k: v for k, v in training_args(s, work).items() if k != "max_length"})
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
-    trainer = _trainer_class()(model=model, args=args, train_dataset=train_ds, data_collator=stream.collate,
-                               processing_class=tokenizer, callbacks=[ckpt, metrics])
+    trainer = stream.trainer_class(Trainer)(model=model, args=args, train_dataset=train_ds,
+                                            data_collator=stream.collate, processing_class=tokenizer,
+                                            callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
     meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
 

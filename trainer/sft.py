@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer import batching, chat_templates, checkpoint, data, distributed, models
+from trainer import batching, chat_templates, checkpoint, data, distributed, models, stream
 from trainer.args import training_args
 from trainer.job import JobSpec, materialize, rank, world_size
 from trainer.metrics import MetricsCallback, peak_memory_mb
@@ -59,7 +59,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
                      assistant_only_loss=s.assistant_only_loss and not streamed)  # token rows carry their labels
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
-    trainer_class = _stream_trainer_class(SFTTrainer) if streamed else SFTTrainer
+    trainer_class = stream.trainer_class(SFTTrainer) if streamed else SFTTrainer
     trainer = trainer_class(model=model, args=args, eval_dataset=eval_ds, processing_class=tokenizer,
                             train_dataset=train_ds.first_rows() if streamed else train_ds, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
@@ -146,7 +146,7 @@ def _token_data(spec: JobSpec, s: SftSettings, tokenizer):
                             f"{getattr(s, field)}", f"set the same {field} on both stages (or leave it out of the "
                             "tokenize stage)")
     tokenizer.chat_template = td["chat_template"] or tokenizer.chat_template
-    stream = tokens.TokenRowStream(spec.train_shards, td["rows_per_shard"]["train"],
+    train = tokens.TokenRowStream(spec.train_shards, td["rows_per_shard"]["train"],
                                    batch_size=s.batch_size_per_device, buffer_batches=s.length_group_buffer,
                                    group_by_length=s.group_by_length, seed=s.seed, where=where,
                                    max_rows=s.max_train_records)
@@ -154,26 +154,9 @@ def _token_data(spec: JobSpec, s: SftSettings, tokenizer):
     if s.evaluate and spec.validation_shards:
         rows = tokens.read_rows(spec.validation_shards, f"stage {spec.stage} validation split")
         eval_ds = datasets.Dataset.from_list(rows) if rows else None
-    per_rank = math.ceil(stream.rows / (s.batch_size_per_device * world_size()))
+    per_rank = math.ceil(train.rows / (s.batch_size_per_device * world_size()))
     steps = s.max_steps or max(1, math.ceil(s.epochs * max(per_rank // s.grad_accumulation_steps, 1)))
-    log.info("%s: %d rows streamed, %d optimizer steps (%s)", where, stream.rows, steps,
-             f"max_steps" if s.max_steps else f"{s.epochs:g} epoch(s)")
-    return stream, eval_ds, steps
+    log.info("%s: %d rows streamed, %d optimizer steps (%s)", where, train.rows, steps,
+             "max_steps" if s.max_steps else f"{s.epochs:g} epoch(s)")
+    return train, eval_ds, steps
 
-
-def _stream_trainer_class(base):
-    """`base` (a TRL trainer), except that a token stream gets this rank's own DataLoader (trainer.stream.loader)
-    with the trainer's collator, as pretrain's StreamTrainer does."""
-    from trainer import stream
-    from trainer.tokens import TokenRowStream
-
-    class StreamingTrainer(base):
-        def get_train_dataloader(self):
-            if not isinstance(self.train_dataset, TokenRowStream):
-                return super().get_train_dataloader()
-            a = self.args
-            return stream.loader(self.train_dataset, batch_size=self._train_batch_size,
-                                 num_workers=a.dataloader_num_workers, prefetch_factor=a.dataloader_prefetch_factor,
-                                 pin_memory=a.dataloader_pin_memory, collate_fn=self.data_collator)
-
-    return StreamingTrainer

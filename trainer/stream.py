@@ -181,3 +181,20 @@ def loader(stream: PackedTextStream, *, batch_size: int, num_workers: int, prefe
     return DataLoader(stream, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
                       prefetch_factor=prefetch_factor if num_workers > 0 else None,
                       pin_memory=pin_memory and torch.cuda.is_available(), drop_last=True)
+
+
+def trainer_class(base):
+    """`base` (the transformers Trainer or a TRL trainer), except that a torch stream (PackedTextStream for
+    pretrain, trainer.tokens.TokenRowStream for sft) gets this rank's own DataLoader (`loader`) with the trainer's
+    collator; anything else goes through the Trainer's own."""
+
+    class StreamTrainer(base):
+        def get_train_dataloader(self):
+            if not isinstance(self.train_dataset, IterableDataset):
+                return super().get_train_dataloader()
+            a = self.args
+            return loader(self.train_dataset, batch_size=self._train_batch_size, num_workers=a.dataloader_num_workers,
+                          prefetch_factor=a.dataloader_prefetch_factor, pin_memory=a.dataloader_pin_memory,
+                          collate_fn=self.data_collator)
+
+    return StreamTrainer
