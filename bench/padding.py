@@ -20,7 +20,8 @@ Both train one epoch over the same rows, so they see the same non-pad tokens (ch
 - non-pad tokens/s: the Trainer's `num_input_tokens_seen` (non_padding) over the train loop's time;
 - padding fraction: lmforge's measured `padding_fraction`; for the plain script the same count (attention mask
   ones vs its size) over its batches;
-- peak RSS of the training process (ru_maxrss; it includes the model load on both sides);
+- peak RSS of the training process (VmHWM, trainer.metrics.peak_rss_mb: its own peak, not ru_maxrss, which a
+  process inherits from the one that started it; it includes the model load on both sides);
 - held-out assistant loss: trainer/evaluate.chat_loss (equal to TRL's eval_loss, see tests/test_eval.py) of the
   trained adapter on the held-out rows, the same conversations and mask for both.
 Target (issue 13): lmforge >= 1.3x the plain script's non-pad tokens/s, held-out loss within +-1%, peak RSS no higher.
@@ -32,7 +33,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -84,6 +84,8 @@ def plain_script(data: str, model_dir: str, out: str, batch: int, max_length: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from trainer.metrics import peak_rss_mb
+
     rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
     train = Dataset.from_list([{"messages": to_messages(r)} for r in rows])
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -113,7 +115,7 @@ def plain_script(data: str, model_dir: str, out: str, batch: int, max_length: in
     return {"tokens": tokens, "train_seconds": output.metrics["train_runtime"],
             "nonpad_tokens_per_s": tokens / output.metrics["train_runtime"],
             "padding_fraction": 1 - counts["real"] / counts["computed"], "steps": trainer.state.global_step,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,6 +151,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plain", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
     if args.plain:
         job = json.loads(args.plain)
         print(json.dumps(plain_script(job["data"], job["model"], job["out"], job["batch"], job["max_length"])))
@@ -159,7 +162,6 @@ def main() -> None:
                        "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
                        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LMFORGE_WORK_DIR": str(tmp / "work"),
                        "DO_NOT_TRACK": "1"})
-    sys.path.insert(0, str(REPO))
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
