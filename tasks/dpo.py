@@ -50,6 +50,7 @@ class DpoResult(TrainedResult):
     dropped_prompt_too_long: int
     train_pairs: int
     validation_pairs: int
+    token_shards: str | None = None  # kind/id of the tokenize stage's token shards this stage streamed
     steps: int
     epochs: float
     train_loss_first: float | None
@@ -79,6 +80,6 @@ def output_port(cfg: DpoStageConfig, inputs: list[Port]) -> Port:
     return Port("model")
 
 
-STAGE = StageDef(kind="dpo", version="1", code=("trainer.entry", "trainer.dpo"),  # the child's code
+STAGE = StageDef(kind="dpo", version="1", code=("trainer.entry", "trainer.dpo", "trainer.tokens"),  # the child's code
                  config=DpoStageConfig, run=run, output_port=output_port, wants_runtime=True,
                  description="SFT model + preference shards -> DPO-tuned model or LoRA adapter (TRL DPOTrainer)")

@@ -53,6 +53,7 @@ class RewardResult(TrainedResult):
     dropped_too_long: int
     train_pairs: int
     validation_pairs: int
+    token_shards: str | None = None  # kind/id of the tokenize stage's token shards this stage streamed
     steps: int
     epochs: float
     train_loss_first: float | None
@@ -79,9 +80,10 @@ def run(cfg: RewardStageConfig, inputs: list[Artifact], out: Path, runtime: Stag
 def check_inputs(stage: str, inputs: list[Port]) -> None:
     """Exactly one preference shards input, at most one tokenizer and one (non-reward) model."""
     shards = [p for p in inputs if p.type == "shards"]
-    if len(shards) != 1 or shards[0].data_kind != "preference":
+    if len(shards) != 1 or shards[0].data_kind not in ("preference", f"{stage}_tokens"):
         got = ", ".join(p.describe() for p in shards) or "none"
-        raise ValueError(f"{stage} reads exactly one preference shards input (got {got})")
+        also = f" (or a tokenize stage's {stage}_tokens shards)" if stage in ("dpo", "reward") else ""
+        raise ValueError(f"{stage} reads exactly one preference shards input{also} (got {got})")
     for i, p in enumerate(inputs):
         if p.type not in ("shards", "tokenizer", "model"):
             raise ValueError(f"input {i} is {p.describe()}; {stage} reads preference shards, a tokenizer and a model")
@@ -106,6 +108,6 @@ def output_port(cfg: RewardStageConfig, inputs: list[Port]) -> Port:
     return Port("model", "reward")
 
 
-STAGE = StageDef(kind="reward", version="1", code=("trainer.entry", "trainer.reward"),  # the child's code
+STAGE = StageDef(kind="reward", version="1", code=("trainer.entry", "trainer.reward", "trainer.tokens"),  # the child's code
                  config=RewardStageConfig, run=run, output_port=output_port,
                  wants_runtime=True, description="preference shards -> reward model (TRL RewardTrainer, full/lora)")

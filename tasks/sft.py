@@ -152,7 +152,7 @@ def token_data(shards: Artifact) -> dict | None:
     shard of each split, the chat template they were made with (read verified), the tokenizer's fingerprint and
     the row settings."""
     r = shards.result
-    if r.get("data_kind") != "sft_tokens":
+    if not str(r.get("data_kind", "")).endswith("_tokens"):
         return None
     from tasks.tokenize import TEMPLATE_FILE
 
@@ -162,7 +162,8 @@ def token_data(shards: Artifact) -> dict | None:
             "rows_per_shard": {s: [x["samples"] for x in r["shards"] if x["split"] == s]
                                for s in ("train", "validation")},
             "chat_template": template, "tokenizer_fingerprint": r["tokenizer_fingerprint"],
-            "max_length_tokens": r["max_length_tokens"], "assistant_only_loss": r["assistant_only_loss"],
+            "max_length_tokens": r["max_length_tokens"], "assistant_only_loss": r.get("assistant_only_loss"),
+            "rows": r.get("rows", "sft"), "records": r.get("records"), "skipped_identical": r.get("skipped_identical"),
             "dropped_no_label": r["dropped_no_label"]}
 
 

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_FILE = "chat_template.jinja"
 ROW_SETTINGS = ("base_model", "max_length_tokens", "assistant_only_loss")  # taken from the readers when unset
-READERS = ("sft",)  # stage kinds that train on token shards
+READERS = ("sft", "dpo", "reward")  # stage kinds that train on token shards
 
 
 class TokenizeConfig(StageConfig):
@@ -57,6 +57,10 @@ class TokenizeConfig(StageConfig):
                                           "reading stage's max_length_tokens.")
     assistant_only_loss: bool | None = Field(None, description="Labels on assistant tokens only; unset: the "
                                              "reading stage's setting.")
+    rows: Literal["sft", "dpo", "reward"] | None = Field(
+        None, description="Which training kind the rows are for: sft (chat shards -> ids and labels), dpo (preference "
+        "shards -> prompt, chosen and rejected ids) or reward (preference shards -> chosen and rejected ids); unset: "
+        "the kind of the stage that reads them.")
     rows_per_shard: int = Field(10_000, gt=0, description="Most rows per token shard.")
 
     def settings(self) -> dict:
@@ -67,14 +71,17 @@ class TokenizeConfig(StageConfig):
 
 class TokenizeResult(Result):
     data_kind: str
+    rows: str
+    records: dict[str, int]
     train_rows: int
     validation_rows: int
-    dropped_no_label: dict[str, int]
+    skipped_identical: dict[str, int]  # preference pairs with chosen == rejected
+    dropped_no_label: dict[str, int]  # nothing left to learn within max_length_tokens (TRL drops these too)
     tokens: dict[str, int]
     label_tokens: dict[str, int]
     longest_row: int
     max_length_tokens: int
-    assistant_only_loss: bool
+    assistant_only_loss: bool | None
     tokenizer_fingerprint: str
     num_shards: dict[str, int]
     bytes: int
@@ -94,7 +101,8 @@ def run(cfg: TokenizeConfig, inputs: list[Artifact], out: Path, runtime: StageRu
     shards = found["shards"][0]
     tok_art, model_art = found.get("tokenizer", [None])[0], found.get("model", [None])[0]
     max_length = cfg.max_length_tokens or 1024
-    aol = True if cfg.assistant_only_loss is None else cfg.assistant_only_loss
+    kind = cfg.rows or "sft"
+    aol = (True if cfg.assistant_only_loss is None else cfg.assistant_only_loss) if kind == "sft" else None
     base = cfg.base_model
     if base is not None and base.path is not None:
         base = base.model_copy(update={"path": str(cfg.local_path(base.path))})
@@ -111,8 +119,10 @@ def run(cfg: TokenizeConfig, inputs: list[Artifact], out: Path, runtime: StageRu
     except SettingError as e:
         raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
     (out / TEMPLATE_FILE).write_text(tokenizer.chat_template or "")
+    make = _row_maker(kind, tokenizer, max_length, aol)
 
     counts, dropped = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    records, identical = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
     ntok, nlab, longest = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), 0
     total = sum(shards.result.get(f"{s}_samples", 0) for s in SPLITS) or None
     progress = Progress(log, f"tokenize {shards.kind}/{shards.id}", total=total)
@@ -122,60 +132,101 @@ def run(cfg: TokenizeConfig, inputs: list[Artifact], out: Path, runtime: StageRu
         try:
             for k, rec in enumerate(interrupt.checked(iter_shards(refs), f"tokenize {split}")):
                 where = f"stage {runtime.stage}: {shards.kind}/{shards.id} {split} record {k} (id {rec.get('id', '?')})"
-                if not isinstance(rec.get("messages"), list):
-                    raise DataError(where, f"no messages (fields: {', '.join(sorted(rec))})",
-                                    "feed the tokenize stage chat shards")
-                row = tokens.sft_row(tokenizer, rec["messages"], max_length=max_length, assistant_only_loss=aol,
-                                     where=where)
+                records[split] += 1
                 progress.update()
+                row = make(rec, where)
+                if row is SKIP:
+                    identical[split] += 1
+                    continue
                 if row is None:
                     dropped[split] += 1
                     continue
                 writer.write({"__key__": f"{counts[split]:09d}", "json": {"id": rec.get("id"), **row}})
                 counts[split] += 1
-                ntok[split] += len(row["input_ids"])
-                nlab[split] += sum(x != tokens.IGNORE for x in row["labels"])
-                longest = max(longest, len(row["input_ids"]))
+                n = tokens.row_length(row)
+                ntok[split] += sum(len(v) for v in row.values()) if kind != "sft" else n
+                nlab[split] += sum(x != tokens.IGNORE for x in row["labels"]) if kind == "sft" else 0
+                longest = max(longest, n)
         finally:
             writer.close()
     progress.done()
     if counts["train"] == 0:
-        raise DataError(f"stage {runtime.stage}", f"no training row has an assistant token within max_length_tokens "
-                        f"{max_length} ({dropped['train']} dropped)", "raise max_length_tokens or check the data")
+        raise DataError(f"stage {runtime.stage}", f"no {kind} training row is left within max_length_tokens "
+                        f"{max_length} ({records['train']} read, {identical['train']} with chosen == rejected, "
+                        f"{dropped['train']} {DROPPED[kind]})", "raise max_length_tokens or check the data")
     if any(dropped.values()):
-        log.warning("stage %s: %s conversation(s) have no label within max_length_tokens %d and are dropped",
-                    runtime.stage, dropped, max_length)
+        log.warning("stage %s: %s record(s) %s and are dropped", runtime.stage, dropped, DROPPED[kind])
+    if any(identical.values()):
+        log.warning("stage %s: %s pair(s) have chosen == rejected (nothing to prefer) and are skipped", runtime.stage,
+                    identical)
     written = written_shards(out, counts)
     return TokenizeResult(
-        data_kind="sft_tokens", train_rows=counts["train"], validation_rows=counts["validation"],
-        dropped_no_label=dropped, tokens=ntok, label_tokens=nlab, longest_row=longest, max_length_tokens=max_length,
+        data_kind=f"{kind}_tokens", rows=kind, records=records, train_rows=counts["train"],
+        validation_rows=counts["validation"], skipped_identical=identical, dropped_no_label=dropped, tokens=ntok, label_tokens=nlab, longest_row=longest, max_length_tokens=max_length,
         assistant_only_loss=aol, tokenizer_fingerprint=tokens.tokenizer_fingerprint(tokenizer),
         num_shards={s: sum(1 for x in written if x["split"] == s) for s in SPLITS},
         bytes=sum(x["bytes"] for x in written), shards=written)
 
 
+SKIP = object()  # a preference pair with chosen == rejected
+DROPPED = {"sft": "have no label within max_length_tokens",
+           "dpo": "have a prompt of max_length_tokens or more (no completion token would be left)",
+           "reward": "are longer than max_length_tokens"}
+
+
+def _row_maker(kind: str, tokenizer, max_length: int, aol: bool | None):
+    """rec, where -> the token row, None (dropped: nothing to learn within max_length) or SKIP (identical pair)."""
+    from trainer import tokens
+    from trainer.reward import pair_example
+
+    conversational = bool(tokenizer.chat_template)  # as the dpo and reward recipes decide it
+    make_pair = tokens.dpo_row if kind == "dpo" else tokens.reward_row
+
+    def make(rec: dict, where: str):
+        if kind == "sft":
+            if not isinstance(rec.get("messages"), list):
+                raise DataError(where, f"no messages (fields: {', '.join(sorted(rec))})",
+                                "rows: sft reads chat shards")
+            return tokens.sft_row(tokenizer, rec["messages"], max_length=max_length, assistant_only_loss=bool(aol),
+                                  where=where)
+        example = pair_example(rec, conversational, where)
+        return SKIP if example is None else make_pair(tokenizer, example, max_length=max_length)
+
+    return make
+
+
 def output_port(cfg: TokenizeConfig, inputs: list[Port]) -> Port:
     from tasks.sft import check_model_inputs
 
-    check_model_inputs(cfg, inputs, "tokenize", ("chat",), "chat shards")  # base_model: the reader's, if unset
-    return Port("shards", "sft_tokens")
+    kind = cfg.rows or "sft"
+    data = "chat" if kind == "sft" else "preference"
+    check_model_inputs(cfg, inputs, "tokenize", (data,), f"{data} shards (rows: {kind})")  # base_model: the reader's
+    return Port("shards", f"{kind}_tokens")
 
 
 def link(name: str, cfg: TokenizeConfig, stages: dict[str, StageConfig]) -> dict[str, StageConfig]:
     """parse_config's hook: unset row settings come from the stages that read this one; set ones must agree with
     them, and the readers' tokenizer/model inputs must be this stage's. ValueError names the field at fault."""
-    readers = {n: s for n, s in stages.items() if name in s.inputs and n != name}
+    readers = {n: s for n, s in stages.items() if name in s.inputs and n != name and s.kind in READERS}
+    kinds = {s.kind for s in readers.values()}  # other readers: the graph check reports them
+    if cfg.rows is not None and kinds - {cfg.rows}:
+        n = next(n for n, s in readers.items() if s.kind != cfg.rows)
+        raise ValueError(f"rows: {cfg.rows} rows, but stage {n} is a {readers[n].kind} stage; leave rows out (it "
+                         "follows the reading stage) or give that stage a tokenize stage of its own")
+    if len(kinds) > 1:
+        raise ValueError(f"rows: stages of kinds {', '.join(sorted(kinds))} read these token shards; each training "
+                         "kind needs token rows of its own: give each a tokenize stage")
     for n, s in readers.items():
-        if s.kind not in READERS:
-            continue  # the graph check reports a reader that cannot take token shards
         mine = [i for i in cfg.inputs if stages.get(i) is not None and _lends_tokenizer(stages[i])]
         theirs = [i for i in s.inputs if i != name]
         if sorted(mine) != sorted(theirs):
             raise ValueError(f"inputs: the tokenizer/model inputs {mine} differ from stage {n}'s other inputs "
                              f"{theirs}; give both stages the same tokenizer and model inputs")
-    update: dict = {}
+    update: dict = {"rows": next(iter(kinds))} if cfg.rows is None and kinds else {}
     for field in ROW_SETTINGS:
-        values = {n: getattr(s, field) for n, s in readers.items() if s.kind in READERS}
+        values = {n: getattr(s, field) for n, s in readers.items() if hasattr(s, field)}
+        if field == "base_model":  # a dpo stage starts from its model input and has no base_model
+            values = {n: v for n, v in values.items() if v is not None or readers[n].kind != "dpo"}
         mine = getattr(cfg, field)
         for n, v in values.items():
             if mine is not None and v != mine:

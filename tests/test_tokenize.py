@@ -5,6 +5,7 @@ Tiny models as in tests/test_trainer.py: a 2-layer Llama from a config and a tok
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -153,11 +154,14 @@ def long_chat_rows(n: int) -> list[dict[str, Any]]:
 MEMORY_CAP_MB = 32  # what the training process may grow by when the data grows; the large set is well above it
 
 
-def test_a_data_set_larger_than_the_memory_cap_trains_with_bounded_rss(root, kinds_module, tmp_path):
+def test_a_data_set_larger_than_the_memory_cap_trains_with_bounded_rss(root, kinds_module, tmp_path, monkeypatch):
     """The same streamed sft on 180 and on 27,000 rows of ~128 tokens (whose ids and labels alone take more than
     1.5x MEMORY_CAP_MB as Python lists, as a map-style data set held them): the training process's peak RSS grows
     by less than MEMORY_CAP_MB, since it holds one token shard and one shuffle buffer, never the data set.
     Measured: 670 MB vs 676 MB."""
+    # glibc keeps freed blocks of the (threaded) training process in its arenas, so its peak RSS wanders by tens of
+    # MB from run to run; with the mmap threshold pinned (as the preflight does) RSS follows what is live
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     stage = sft(max_length_tokens=128, max_steps=8, evaluate=False, checkpoint_every_steps=None)
     stages = {"tokens": {**TOK, "rows_per_shard": 2000}, "s": stage}
     names = ["ingest", "shard", "tokenizer", "tokens", "s"]
@@ -213,3 +217,88 @@ def test_a_preflight_tries_an_sft_that_streams_token_shards(root, kinds_module):
     plan, out = run(root, kinds_module, stages, ["tokens", "pf"])
     r = artifact(plan, "pf").result
     assert plan.stages["pf"].inputs == ["tokens", "tokenizer"] and r["reload_ok"] and r["steps"] == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# dpo and reward rows (the preference set of tests/test_align.py: 120 good pairs, 6 identical, 5 too long)
+
+
+@pytest.fixture(scope="module")
+def align_root(tmp_path_factory, kinds_module):
+    from tests import test_align
+
+    root = tmp_path_factory.mktemp("tokenize-align")
+    write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
+    write_jsonl(root / "data" / "pairs.jsonl", test_align.preference_rows())
+    test_align.run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs",
+                                                   "sft"])
+    return root
+
+
+PAIR_TOK = {"kind": "tokenize", "inputs": ["shard_pairs", "sft"], "retries": 0}
+
+
+def _align(root, kinds, stages, names):
+    from tests import test_align
+
+    return test_align.run_stages(root, kinds, stages, names)
+
+
+def test_preference_rows_are_what_dpo_and_reward_trainers_prepare(align_root, kinds_module):
+    """dpo rows (prompt, chosen, rejected ids) and reward rows (chosen, rejected ids) equal DPOTrainer's and
+    RewardTrainer's own prepared datasets on the same pairs, and the skip/drop counts are the trainers' own."""
+    import datasets
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
+
+    from lmforge.shards import iter_samples
+    from tests.test_align import IDENTICAL, LONG, dpo, reward
+    from trainer.reward import pair_example
+
+    stages = {"dtok": PAIR_TOK, "rtok": PAIR_TOK, "d": {**dpo(), "inputs": ["dtok", "sft"]},
+              "r": {**reward(), "inputs": ["rtok", "sft"]}}
+    plan, _ = _align(align_root, kinds_module, stages, ["dtok", "rtok"])
+    dtok, rtok = artifact(plan, "dtok"), artifact(plan, "rtok")
+    assert (dtok.result["rows"], rtok.result["rows"]) == ("dpo", "reward")  # from the reading stages
+    assert dtok.id != rtok.id
+    for a in (dtok, rtok):
+        assert sum(a.result["skipped_identical"].values()) == IDENTICAL
+        assert sum(a.result["dropped_no_label"].values()) == LONG
+
+    tok = AutoTokenizer.from_pretrained(artifact(plan, "sft").path)
+    pairs = [pair_example(r, bool(tok.chat_template), "test") for r in iter_samples(artifact(plan, "shard_pairs"))]
+    pairs = datasets.Dataset.from_list([p for p in pairs if p is not None])
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    common = dict(use_cpu=True, report_to=[], max_length=64)
+    policy = LlamaForCausalLM(LlamaConfig(**cfg, vocab_size=len(tok)))
+    d = DPOTrainer(model=policy, ref_model=copy.deepcopy(policy), processing_class=tok, train_dataset=pairs,
+                   args=DPOConfig(output_dir="/tmp/lmforge-test-dpo", **common))
+    fields = ("prompt_ids", "chosen_ids", "rejected_ids")
+    assert [[r[f] for f in fields] for r in iter_samples(dtok)] == [[r[f] for f in fields] for r in d.train_dataset]
+    m = LlamaForSequenceClassification(LlamaConfig(**cfg, vocab_size=len(tok), num_labels=1,
+                                                   pad_token_id=tok.pad_token_id))
+    r = RewardTrainer(model=m, processing_class=tok, train_dataset=pairs,
+                      args=RewardConfig(output_dir="/tmp/lmforge-test-reward", **common))
+    fields = ("chosen_ids", "rejected_ids")
+    assert [[x[f] for f in fields] for x in iter_samples(rtok)] == [[x[f] for f in fields] for x in r.train_dataset]
+
+
+def test_dpo_and_reward_stream_token_rows(align_root, kinds_module):
+    """dpo and reward on a tokenize stage's rows: trained from the stream, with the exact counts of the
+    in-memory path (tests/test_align.py's _counts), held-out accuracy, and the token artifact named."""
+    from tests.test_align import _counts, dpo, reward
+
+    stages = {"dtok": PAIR_TOK, "rtok": PAIR_TOK, "d": {**dpo(max_steps=6), "inputs": ["dtok", "sft"]},
+              "r": {**reward(max_steps=6), "inputs": ["rtok", "sft"]}}
+    plan, _ = _align(align_root, kinds_module, stages, ["dtok", "rtok", "d", "r"])
+    for name, tok, dropped in (("d", "dtok", "dropped_prompt_too_long"), ("r", "rtok", "dropped_too_long")):
+        res = artifact(plan, name).result
+        _counts(res, dropped)
+        assert res["token_shards"] == f"tokenize/{artifact(plan, tok).id}"
+        assert res["steps"] == 6 and res["eval_reward_accuracy"] is not None
+        assert res["padding_fraction"] is not None
+    with pytest.raises(ConfigError) as e:  # one token artifact cannot serve two training kinds
+        parse_config(__import__("tests.test_align", fromlist=["pipeline"]).pipeline(
+            align_root, {"tok": PAIR_TOK, "d": {**dpo(), "inputs": ["tok", "sft"]},
+                         "r": {**reward(), "inputs": ["tok", "sft"]}}), kinds_module, root=align_root)
+    assert "stages.tok.rows: stages of kinds dpo, reward read these token shards" in str(e.value)

@@ -24,7 +24,7 @@ from typing import Any
 from lmforge.errors import DataError
 from lmforge.records import prompt_turns
 from lmforge.shards import ShardRef
-from trainer import batching, checkpoint, data, models
+from trainer import batching, checkpoint, data, models, tokens
 from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
@@ -68,20 +68,12 @@ def preference_dataset(shards: list[ShardRef], where: str, conversational: bool,
     for rec in data.iter_records(shards):
         if max_records is not None and records >= max_records:
             break
-        missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(rec.get(k), str)]
-        if missing:
-            raise DataError(where, f"record {rec.get('id', '?')} has no string {', '.join(missing)} "
-                            f"(fields: {', '.join(sorted(rec))})", "feed this stage shards of preference records")
+        row = pair_example(rec, conversational, where)
         records += 1
-        if rec["chosen"] == rec["rejected"]:
+        if row is None:
             identical += 1
             continue
-        if conversational:  # a multi-turn prompt keeps its turns (records' prompt_messages)
-            rows.append({"prompt": prompt_turns(rec),
-                         "chosen": [{"role": "assistant", "content": rec["chosen"]}],
-                         "rejected": [{"role": "assistant", "content": rec["rejected"]}]})
-        else:
-            rows.append({"prompt": rec["prompt"], "chosen": rec["chosen"], "rejected": rec["rejected"]})
+        rows.append(row)
     if shards and not records:
         raise DataError(where, "the shards hold no records", "check the upstream stages' drop counts")
     if identical:
@@ -89,6 +81,21 @@ def preference_dataset(shards: list[ShardRef], where: str, conversational: bool,
                     identical, records)
     log.info("%s: %d preference pairs from %d shard(s)", where, len(rows), len(shards))
     return Pairs(datasets.Dataset.from_list(rows) if rows else None, records, identical)
+
+
+def pair_example(rec: dict[str, Any], conversational: bool, where: str) -> dict[str, Any] | None:
+    """One preference record -> TRL's {prompt, chosen, rejected} (see `preference_dataset`); None when chosen ==
+    rejected (nothing to prefer). A record without the three strings is a DataError naming it."""
+    missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(rec.get(k), str)]
+    if missing:
+        raise DataError(where, f"record {rec.get('id', '?')} has no string {', '.join(missing)} "
+                        f"(fields: {', '.join(sorted(rec))})", "feed this stage shards of preference records")
+    if rec["chosen"] == rec["rejected"]:
+        return None
+    if conversational:  # a multi-turn prompt keeps its turns (records' prompt_messages)
+        return {"prompt": prompt_turns(rec), "chosen": [{"role": "assistant", "content": rec["chosen"]}],
+                "rejected": [{"role": "assistant", "content": rec["rejected"]}]}
+    return {"prompt": rec["prompt"], "chosen": rec["chosen"], "rejected": rec["rejected"]}
 
 
 def require_pairs(pairs: Pairs, kept: int, where: str, why: str) -> None:
@@ -227,29 +234,41 @@ def train(spec: JobSpec) -> dict[str, Any]:
     conversational = bool(tokenizer.chat_template)
 
     # 2. data: identical pairs skipped here, too-long pairs dropped by the trainer (counted below)
-    train_pairs = preference_dataset(spec.train_shards, f"stage {spec.stage} train split", conversational,
-                                     s.max_train_records)
-    eval_pairs = (preference_dataset(spec.validation_shards, f"stage {spec.stage} validation split", conversational)
-                  if s.evaluate and spec.validation_shards else None)
-    require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
-                  f"stage {spec.stage}", "other")
+    streamed = spec.token_data is not None
+    if streamed:  # a tokenize stage's rows (pairs skipped and dropped there), streamed from the store
+        train_rows, eval_ds, steps = tokens.stream_data(spec, s, tokenizer, "reward")
+    else:
+        train_pairs = preference_dataset(spec.train_shards, f"stage {spec.stage} train split", conversational,
+                                         s.max_train_records)
+        eval_pairs = (preference_dataset(spec.validation_shards, f"stage {spec.stage} validation split",
+                                         conversational) if s.evaluate and spec.validation_shards else None)
+        require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
+                      f"stage {spec.stage}", "other")
+        eval_ds = eval_pairs.dataset if eval_pairs is not None else None
 
     # 3. model
     model = load_for_reward_training(res, tokenizer, s, work)
 
     # 4. trainer
-    args = RewardConfig(**training_args(s, work), center_rewards_coefficient=s.center_rewards_coefficient)
+    targs = training_args(s, work)
+    if streamed:
+        targs["max_steps"] = steps  # a stream has no length: the epochs become steps
+    args = RewardConfig(**targs, center_rewards_coefficient=s.center_rewards_coefficient)
     ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, REWARD_LOG_KEYS)
-    eval_ds = eval_pairs.dataset if eval_pairs is not None else None
-    trainer = RewardTrainer(model=model, args=args, train_dataset=train_pairs.dataset, eval_dataset=eval_ds,
-                            processing_class=tokenizer, callbacks=[ckpt, metrics])
+    trainer = (tokens.trainer_class(RewardTrainer) if streamed else RewardTrainer)(
+        model=model, args=args, train_dataset=train_rows.first_rows() if streamed else train_pairs.dataset,
+        eval_dataset=eval_ds, processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
-    batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
+    if streamed:
+        trainer.train_dataset = train_rows  # the first rows built the trainer; the stream is what trains
+        dropped = sum(spec.token_data["dropped_no_label"].values())  # counted by the tokenize stage
+    else:
+        batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
+        # TRL drops them silently: prompt + chosen or prompt + rejected longer than max_length_tokens
+        dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
+                                      f"longer than max_length_tokens {s.max_length_tokens}")
     meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
-    # TRL drops them silently: prompt + chosen or prompt + rejected longer than max_length_tokens
-    dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
-                                  f"longer than max_length_tokens {s.max_length_tokens}")
 
     # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
     state = checkpoint.train_resumable(trainer, spec, ckpt)
@@ -281,14 +300,17 @@ def train(spec: JobSpec) -> dict[str, Any]:
     return {
         "method": s.method,
         "base_model": res.describe,
-        "train_records": train_pairs.records,
-        "validation_records": eval_pairs.records if eval_pairs is not None else 0,
-        "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs is not None else 0),
+        **(tokens.pair_counts(spec.token_data, train_rows.rows) if streamed else {
+            "train_records": train_pairs.records,
+            "validation_records": eval_pairs.records if eval_pairs is not None else 0,
+            "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs else 0),
+            "train_pairs": len(trainer.train_dataset)}),
         "dropped_too_long": dropped,
-        "train_pairs": len(trainer.train_dataset),
         "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
+        "token_shards": spec.token_data["artifact"] if streamed else None,
         "steps": state.global_step,
-        "epochs": round(float(state.epoch or 0), 4),
+        "epochs": tokens.epochs_done(state.global_step, s, train_rows.rows) if streamed
+        else round(float(state.epoch or 0), 4),
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
         "train_reward_accuracy_last": last_logged(history, "accuracy"),

@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer import batching, chat_templates, checkpoint, data, distributed, models, stream
+from trainer import batching, chat_templates, checkpoint, data, distributed, models, tokens
 from trainer.args import training_args
-from trainer.job import JobSpec, materialize, rank, world_size
+from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import MetricsCallback, peak_memory_mb
 from trainer.settings import SftSettings
 
@@ -37,7 +37,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
     # 2. data, and a chat template that marks assistant turns for assistant-only loss
     streamed = spec.token_data is not None
     if streamed:  # a tokenize stage's rows, streamed from the store (trainer/tokens.py)
-        train_ds, eval_ds, steps = _token_data(spec, s, tokenizer)
+        train_ds, eval_ds, steps = tokens.stream_data(spec, s, tokenizer, "sft")
     else:
         train_ds = data.chat_dataset(spec.train_shards, f"stage {spec.stage} train split", s.max_train_records)
         eval_ds = data.chat_dataset(spec.validation_shards, f"stage {spec.stage} validation split") \
@@ -59,7 +59,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
                      assistant_only_loss=s.assistant_only_loss and not streamed)  # token rows carry their labels
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
-    trainer_class = stream.trainer_class(SFTTrainer) if streamed else SFTTrainer
+    trainer_class = tokens.trainer_class(SFTTrainer) if streamed else SFTTrainer
     trainer = trainer_class(model=model, args=args, eval_dataset=eval_ds, processing_class=tokenizer,
                             train_dataset=train_ds.first_rows() if streamed else train_ds, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
@@ -103,8 +103,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "validation_records": len(eval_ds) if eval_ds is not None else 0,
         "token_shards": spec.token_data["artifact"] if streamed else None,  # streamed rows of a tokenize stage
         "steps": state.global_step,
-        "epochs": round(state.global_step * s.grad_accumulation_steps * s.batch_size_per_device * world_size()
-                        / train_ds.rows, 4) if streamed else round(float(state.epoch or 0), 4),
+        "epochs": tokens.epochs_done(state.global_step, s, train_ds.rows) if streamed
+        else round(float(state.epoch or 0), 4),
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
         "eval_loss": eval_loss,
@@ -118,45 +118,4 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "resumed_from_step": spec.resume_step or 0,
         "checkpoints_uploaded": ckpt.uploaded,
     }
-
-
-def _token_data(spec: JobSpec, s: SftSettings, tokenizer):
-    """(train stream, validation rows or None, optimizer steps) from a tokenize stage's token shards.
-
-    The rows were made with this model's tokenizer (checked by its fingerprint) and the chat template the
-    tokenize stage picked (set on the tokenizer, so the saved model carries it). Steps: `max_steps`, else
-    ceil(epochs x micro-batches per rank per pass / grad_accumulation_steps), as the Trainer counts a map-style
-    epoch."""
-    import math
-
-    import datasets
-
-    from lmforge.errors import DataError
-    from trainer import tokens
-    td = spec.token_data
-    where = f"stage {spec.stage} train split ({td['artifact']})"
-    mine = tokens.tokenizer_fingerprint(tokenizer)
-    if mine != td["tokenizer_fingerprint"]:
-        raise DataError(where, f"the token shards were made with another tokenizer (fingerprint "
-                        f"{td['tokenizer_fingerprint']}, this model's is {mine})", "give the tokenize stage the same "
-                        "tokenizer and model inputs (or base_model) as this stage")
-    for field in ("max_length_tokens", "assistant_only_loss"):
-        if td[field] != getattr(s, field):
-            raise DataError(where, f"the token rows were made with {field} {td[field]}, this stage trains with "
-                            f"{getattr(s, field)}", f"set the same {field} on both stages (or leave it out of the "
-                            "tokenize stage)")
-    tokenizer.chat_template = td["chat_template"] or tokenizer.chat_template
-    train = tokens.TokenRowStream(spec.train_shards, td["rows_per_shard"]["train"],
-                                   batch_size=s.batch_size_per_device, buffer_batches=s.length_group_buffer,
-                                   group_by_length=s.group_by_length, seed=s.seed, where=where,
-                                   max_rows=s.max_train_records)
-    eval_ds = None
-    if s.evaluate and spec.validation_shards:
-        rows = tokens.read_rows(spec.validation_shards, f"stage {spec.stage} validation split")
-        eval_ds = datasets.Dataset.from_list(rows) if rows else None
-    per_rank = math.ceil(train.rows / (s.batch_size_per_device * world_size()))
-    steps = s.max_steps or max(1, math.ceil(s.epochs * max(per_rank // s.grad_accumulation_steps, 1)))
-    log.info("%s: %d rows streamed, %d optimizer steps (%s)", where, train.rows, steps,
-             "max_steps" if s.max_steps else f"{s.epochs:g} epoch(s)")
-    return train, eval_ds, steps
 

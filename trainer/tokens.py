@@ -67,6 +67,59 @@ def sft_row(tokenizer, messages: list[dict[str, Any]], *, max_length: int, assis
     return {"input_ids": ids, "labels": labels}
 
 
+def _ids(tokenizer, x) -> list[int]:
+    """TRL's `_tokenize`: a message list through the chat template, a string through the tokenizer."""
+    if isinstance(x, list):
+        return list(tokenizer.apply_chat_template(x, tokenize=True, return_dict=True)["input_ids"])
+    return list(tokenizer(text=x)["input_ids"])
+
+
+def _with_eos(example: dict[str, Any], eos: str) -> dict[str, Any]:
+    """TRL's add_eos for plain-text pairs: chosen and rejected end with the eos token."""
+    if isinstance(example["chosen"], list):
+        return example
+    return {**example, **{k: example[k] if example[k].endswith(eos) else example[k] + eos
+                          for k in ("chosen", "rejected")}}
+
+
+def dpo_row(tokenizer, example: dict[str, Any], *, max_length: int) -> dict[str, list[int]] | None:
+    """A {prompt, chosen, rejected} pair (trainer.reward.pair_example) -> DPOTrainer's {prompt_ids, chosen_ids,
+    rejected_ids} (TRL 1.12 `DPOTrainer._prepare_dataset`); None when the prompt alone fills max_length (DPOTrainer
+    drops those: its keep_start truncation would leave no completion token). The collator cuts the rest."""
+    ex = _with_eos(example, tokenizer.eos_token)
+    if isinstance(ex["prompt"], list):
+        prompt = list(tokenizer.apply_chat_template(ex["prompt"], tokenize=True, return_dict=True,
+                                                    add_generation_prompt=True)["input_ids"])
+    else:
+        prompt = _ids(tokenizer, ex["prompt"])
+    chosen, rejected = _ids(tokenizer, ex["prompt"] + ex["chosen"]), _ids(tokenizer, ex["prompt"] + ex["rejected"])
+    if len(prompt) >= max_length:
+        return None
+    return {"prompt_ids": prompt, "chosen_ids": chosen[len(prompt):], "rejected_ids": rejected[len(prompt):]}
+
+
+def reward_row(tokenizer, example: dict[str, Any], *, max_length: int) -> dict[str, list[int]] | None:
+    """A pair -> RewardTrainer's {chosen_ids, rejected_ids} (prompt + completion each, TRL 1.12
+    `RewardTrainer._prepare_dataset`); None when either is longer than max_length (RewardTrainer drops those)."""
+    ex = _with_eos(example, tokenizer.eos_token)
+    chosen, rejected = _ids(tokenizer, ex["prompt"] + ex["chosen"]), _ids(tokenizer, ex["prompt"] + ex["rejected"])
+    if len(chosen) > max_length or len(rejected) > max_length:
+        return None
+    return {"chosen_ids": chosen, "rejected_ids": rejected}
+
+
+#: the columns of a token row, by the training kind it is made for
+FIELDS = {"sft": ("input_ids", "labels"), "dpo": ("prompt_ids", "chosen_ids", "rejected_ids"),
+          "reward": ("chosen_ids", "rejected_ids")}
+
+
+def row_length(row: dict[str, list[int]]) -> int:
+    """Tokens a row takes in its padded micro-batch (as trainer.batching.row_lengths counts them)."""
+    if "input_ids" in row:
+        return len(row["input_ids"])
+    return len(row.get("prompt_ids", ())) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """What must match between the tokenize stage and the training stage: vocabulary, special tokens and
     the class (not the chat template, which the token artifact carries with it)."""
@@ -81,8 +134,9 @@ class TokenRowStream(IterableDataset):
     """This rank's token rows, endless, length-grouped in a bounded buffer (see the module docstring)."""
 
     def __init__(self, shards: list[ShardRef], rows_per_shard: list[int], *, batch_size: int, buffer_batches: int,
-                 group_by_length: bool, seed: int, where: str, max_rows: int | None = None, endless: bool = True,
-                 rank: int | None = None, world_size: int | None = None):
+                 group_by_length: bool, seed: int, where: str, fields: tuple[str, ...] = FIELDS["sft"],
+                 max_rows: int | None = None, endless: bool = True, rank: int | None = None,
+                 world_size: int | None = None):
         if not shards:
             raise DataError(where, "the split has no token shards", "check the tokenize stage's output")
         if len(rows_per_shard) != len(shards):
@@ -90,7 +144,7 @@ class TokenRowStream(IterableDataset):
         self.shards, self.counts = list(shards), list(rows_per_shard)
         self.batch_size, self.buffer_batches, self.group = batch_size, buffer_batches, group_by_length
         self.seed, self.where, self.endless = seed, where, endless
-        self.max_rows = max_rows
+        self.fields, self.max_rows = tuple(fields), max_rows
         self.rank = job.rank() if rank is None else rank
         self.world_size = job.world_size() if world_size is None else world_size
 
@@ -128,11 +182,7 @@ class TokenRowStream(IterableDataset):
         for j, rec in enumerate(iter_shards([ref])):  # the shard verified whole before its first row
             if j >= keep:
                 return
-            ids, labels = rec.get("input_ids"), rec.get("labels")
-            if not isinstance(ids, list) or not isinstance(labels, list) or len(ids) != len(labels):
-                raise DataError(f"{self.where}, shard {ref.url}", f"row {j} is not a token row (fields: "
-                                f"{', '.join(sorted(rec))})", "feed this stage the output of a tokenize stage")
-            yield {"input_ids": ids, "labels": labels}
+            yield token_row(rec, self.fields, f"{self.where}, shard {ref.url}, row {j}")
 
     def _pass(self, epoch: int, reader: int, readers: int) -> Iterator[dict[str, list[int]]]:
         order = [i for i in range(len(self.shards)) if self._limit(i)]
@@ -156,7 +206,7 @@ class TokenRowStream(IterableDataset):
             rng.shuffle(buf)
             if not self.group:
                 return list(buf)
-            ordered = sorted(buf, key=lambda r: len(r["input_ids"]))  # stable: ties keep the shuffled order
+            ordered = sorted(buf, key=row_length)  # stable: ties keep the shuffled order
             batches = [ordered[i:i + self.batch_size] for i in range(0, len(ordered), self.batch_size)]
             rng.shuffle(batches)
             return [r for b in batches for r in b]
@@ -190,12 +240,92 @@ class TokenRowStream(IterableDataset):
             epoch += 1
 
 
-def read_rows(shards: list[ShardRef], where: str) -> list[dict[str, list[int]]]:
+def token_row(rec: dict[str, Any], fields: tuple[str, ...], where: str) -> dict[str, list[int]]:
+    """The row's token columns, checked: a record of another layout is a DataError naming it."""
+    row = {f: rec.get(f) for f in fields}
+    bad = [f for f, v in row.items() if not isinstance(v, list)]
+    if bad or ("labels" in row and len(row["labels"]) != len(row["input_ids"])):
+        raise DataError(where, f"not a token row of {', '.join(fields)} (fields: {', '.join(sorted(rec))})",
+                        "feed this stage the output of a tokenize stage made for it")
+    return row
+
+
+def read_rows(shards: list[ShardRef], where: str, fields: tuple[str, ...] = FIELDS["sft"]) -> list[dict]:
     """Every row of a (small) split in memory, in shard order: the validation split."""
-    out = []
-    for rec in iter_shards(shards):
-        if "input_ids" not in rec or "labels" not in rec:
-            raise DataError(where, f"a record is not a token row (fields: {', '.join(sorted(rec))})",
-                            "feed this stage the output of a tokenize stage")
-        out.append({"input_ids": rec["input_ids"], "labels": rec["labels"]})
-    return out
+    return [token_row(rec, fields, where) for rec in iter_shards(shards)]
+
+
+def stream_data(spec, s, tokenizer, kind: str):
+    """(train stream, validation rows as a datasets.Dataset or None, optimizer steps) of a training stage whose
+    input is a tokenize stage's token shards (`spec.token_data`).
+
+    The rows were made with this model's tokenizer (checked by its vocabulary's fingerprint) and chat template:
+    sft's template (the marked copy the tokenize stage picked) is set on the tokenizer, so the saved model carries
+    it; dpo and reward must render with the template the rows were made with. Steps: `max_steps`, else
+    ceil(epochs x micro-batches per rank per pass / grad_accumulation_steps), as the Trainer counts a map-style
+    epoch."""
+    import math
+
+    import datasets
+
+    td = spec.token_data
+    where = f"stage {spec.stage} train split ({td['artifact']})"
+    if td.get("rows", "sft") != kind:
+        raise DataError(where, f"the token rows were made for a {td.get('rows', 'sft')} stage, not {kind}",
+                        f"give this stage a tokenize stage of its own (rows: {kind})")
+    mine = tokenizer_fingerprint(tokenizer)
+    if mine != td["tokenizer_fingerprint"]:
+        raise DataError(where, f"the token shards were made with another tokenizer (fingerprint "
+                        f"{td['tokenizer_fingerprint']}, this model's is {mine})", "give the tokenize stage the same "
+                        "tokenizer and model inputs (or base_model) as this stage")
+    for field in ("max_length_tokens", "assistant_only_loss"):
+        if td.get(field) is not None and td[field] != getattr(s, field, td[field]):
+            raise DataError(where, f"the token rows were made with {field} {td[field]}, this stage trains with "
+                            f"{getattr(s, field)}", f"set the same {field} on both stages (or leave it out of the "
+                            "tokenize stage)")
+    if kind == "sft":
+        tokenizer.chat_template = td["chat_template"] or tokenizer.chat_template
+    elif (td["chat_template"] or None) != (tokenizer.chat_template or None):
+        raise DataError(where, "the token rows were rendered with another chat template than this model's",
+                        "give the tokenize stage the same model input as this stage")
+    train = TokenRowStream(spec.train_shards, td["rows_per_shard"]["train"], batch_size=s.batch_size_per_device,
+                           buffer_batches=s.length_group_buffer, group_by_length=s.group_by_length, seed=s.seed,
+                           where=where, fields=FIELDS[kind], max_rows=s.max_train_records)
+    eval_ds = None
+    if s.evaluate and spec.validation_shards:
+        rows = read_rows(spec.validation_shards, f"stage {spec.stage} validation split", FIELDS[kind])
+        eval_ds = datasets.Dataset.from_list(rows) if rows else None
+    per_rank = math.ceil(train.rows / (s.batch_size_per_device * job.world_size()))
+    steps = s.max_steps or max(1, math.ceil(s.epochs * max(per_rank // s.grad_accumulation_steps, 1)))
+    log.info("%s: %d rows streamed, %d optimizer steps (%s)", where, train.rows, steps,
+             "max_steps" if s.max_steps else f"{s.epochs:g} epoch(s)")
+    return train, eval_ds, steps
+
+
+def pair_counts(td: dict[str, Any], train_rows: int) -> dict[str, int]:
+    """A preference stage's record counts when it streams token rows: what the tokenize stage read, skipped
+    (chosen == rejected) and kept."""
+    return {"train_records": td["records"]["train"], "validation_records": td["records"]["validation"],
+            "skipped_identical_pairs": td["skipped_identical"]["train"] + td["skipped_identical"]["validation"],
+            "train_pairs": train_rows}
+
+
+def epochs_done(steps: int, s, rows: int) -> float:
+    """Passes over the streamed split that `steps` optimizer steps took (all ranks)."""
+    return round(steps * s.grad_accumulation_steps * s.batch_size_per_device * job.world_size() / max(rows, 1), 4)
+
+
+def trainer_class(base):
+    """`base` (a TRL trainer) for token rows: the stream gets this rank's own DataLoader (trainer.stream's
+    trainer_class), and a data set that already holds token rows is taken as prepared (DPOTrainer would tokenize
+    it again)."""
+    from trainer import stream
+
+    class TokenRowTrainer(stream.trainer_class(base)):
+        def _prepare_dataset(self, dataset, *args, **kwargs):
+            cols = set(getattr(dataset, "column_names", None) or ())
+            if any(set(f) <= cols for f in FIELDS.values()):
+                return dataset
+            return super()._prepare_dataset(dataset, *args, **kwargs)
+
+    return TokenRowTrainer
