@@ -1,27 +1,30 @@
-"""tokenize: chat shards -> token shards (ids and labels), once, for every sft run that shares them.
+"""tokenize: chat or preference shards -> token shards, made once for every sft, dpo or reward stage that shares them.
 
-Every sft run used to tokenize its data again, even when only the learning rate changed. A `tokenize` stage does
-it once; its artifact id depends on the data, the tokenizer (its inputs, or `base_model`'s identity), the chat
-template it trains with, max_length_tokens and assistant_only_loss, and on nothing that only steers training, so
-any number of sft stages (other learning rates, epochs, LoRA ranks, ...) read the same token shards, and a second
-run of the pipeline reuses them. The sft stage then streams the rows from the store (trainer/tokens.py), shard by
-shard, so the data set is bounded by the store, not by the training process's memory.
+Every training run used to tokenize its data again, even when only the learning rate changed. A `tokenize` stage
+does it once; its artifact id depends on the data, the tokenizer (its inputs, or `base_model`'s identity), the chat
+template, the kind of rows, max_length_tokens and assistant_only_loss, and on nothing that only steers training, so
+any number of training stages (other learning rates, epochs, LoRA ranks, ...) read the same token shards, and a
+second run of the pipeline reuses them. The training stage then streams the rows from the store
+(trainer/tokens.py), shard by shard, so the data set is bounded by the store, not by the training process's memory.
 
     stages:
       sft_tokens: {kind: tokenize, inputs: [chat_shards, tokenizer]}
       sft:        {kind: sft, inputs: [sft_tokens, tokenizer], max_length_tokens: 256, learning_rate: 1e-3}
+      dpo_tokens: {kind: tokenize, inputs: [pair_shards, sft]}
+      dpo:        {kind: dpo, inputs: [dpo_tokens, sft]}
 
-The settings that shape the rows (base_model, max_length_tokens, assistant_only_loss) are taken from the stages
-that read the token shards when they are not set here (parse_config's `link`); set and different from a
-reader's, or different between two readers, is a config error naming both fields. The tokenize stage's
-tokenizer/model inputs must be the reader's, so both sides load the same tokenizer (the training process checks it
-again by the vocabulary's fingerprint).
+`rows` (sft, dpo, reward) and the settings that shape the rows (base_model, max_length_tokens, assistant_only_loss)
+are taken from the stages that read the token shards when they are not set here (parse_config's `link`); set and
+different from a reader's, or different between two readers, is a config error naming both fields. The tokenize
+stage's tokenizer/model inputs must be the reader's, so both sides load the same tokenizer (the training process
+checks it again by the vocabulary's fingerprint, and dpo/reward the chat template).
 
-Rows are what TRL's SFTTrainer prepares (trainer/tokens.sft_row): the chat template (a marked copy for
-assistant-only loss, as the sft stage picks it, saved as `chat_template.jinja` and used by the training stage),
-ids and labels cut to max_length_tokens, rows without a label dropped and counted. Records are read one shard at a
-time and written to token shards of at most `rows_per_shard` rows with `mtime=0` (the same data gives the same
-bytes); the train and validation splits keep the shard stage's split.
+Rows are what TRL's trainers prepare (trainer/tokens.py: sft_row, dpo_row, reward_row): for sft the chat template
+is the marked copy the sft stage would pick for assistant-only loss, saved as `chat_template.jinja` and set by the
+training stage; ids and labels cut to max_length_tokens, rows without a label dropped and counted; dpo rows whose
+prompt fills max_length_tokens and reward rows longer than it dropped, and identical pairs skipped, all counted as
+the trainers do. Records are read one shard at a time and written to token shards of at most `rows_per_shard` rows
+with `mtime=0` (the same data gives the same bytes); the train and validation splits keep the shard stage's split.
 """
 from __future__ import annotations
 
@@ -49,8 +52,8 @@ READERS = ("sft", "dpo", "reward")  # stage kinds that train on token shards
 
 
 class TokenizeConfig(StageConfig):
-    kind: Literal["tokenize"] = Field(description="Chat shards -> token shards (ids and labels), made once and "
-                                      "streamed by every sft stage that reads them.")
+    kind: Literal["tokenize"] = Field(description="Chat or preference shards -> token shards, made once and "
+                                      "streamed by every sft, dpo or reward stage that reads them.")
     base_model: ModelSource | None = Field(None, description="Whose tokenizer and chat template, unless a tokenizer "
                                            "or model input gives them; unset: the reading stage's base_model.")
     max_length_tokens: int | None = Field(None, gt=0, description="Rows are cut to this many tokens; unset: the "
@@ -259,4 +262,5 @@ def _show(v) -> str:
 
 STAGE = StageDef(kind="tokenize", version="1", config=TokenizeConfig, run=run, output_port=output_port,
                  wants_runtime=True, code=("trainer.tokens", "trainer.chat_templates"), link=link,
-                 description="chat shards -> token shards (ids, labels) made once for the sft stages that read them")
+                 description="chat or preference shards -> token shards, made once for the sft/dpo/reward stages "
+                 "that read them")
