@@ -165,7 +165,8 @@ def run(cfg: TokenizeConfig, inputs: list[Artifact], out: Path, runtime: StageRu
     written = written_shards(out, counts)
     return TokenizeResult(
         data_kind=f"{kind}_tokens", rows=kind, records=records, train_rows=counts["train"],
-        validation_rows=counts["validation"], skipped_identical=identical, dropped_no_label=dropped, tokens=ntok, label_tokens=nlab, longest_row=longest, max_length_tokens=max_length,
+        validation_rows=counts["validation"], skipped_identical=identical, dropped_no_label=dropped, tokens=ntok,
+        label_tokens=nlab, longest_row=longest, max_length_tokens=max_length,
         assistant_only_loss=aol, tokenizer_fingerprint=tokens.tokenizer_fingerprint(tokenizer),
         num_shards={s: sum(1 for x in written if x["split"] == s) for s in SPLITS},
         bytes=sum(x["bytes"] for x in written), shards=written)
