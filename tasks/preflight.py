@@ -259,7 +259,7 @@ def _estimate(cfg: PreflightConfig, tcfg, inputs: list[Artifact], runtime: Stage
                       lora_rank=tcfg.lora.rank, lora_targets=tcfg.lora.target_modules, lora_dropout=tcfg.lora.dropout,
                       quant_double=tcfg.lora.double_quant,
                       reference_copy=tcfg.method == "full" and kind in ("dpo", "ppo"),
-                      generation=kind in ("ppo", "grpo"))
+                      generation=kind in ("ppo", "grpo"), device="cuda" if _on_gpu() else "cpu")
         return E.estimate_memory(shape, plan).to_json()
     except Exception as e:  # noqa: BLE001  the measurement stands without it
         notes.append(f"no estimate: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
