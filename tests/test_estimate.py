@@ -13,7 +13,8 @@ import pytest
 
 from lmforge.errors import ConfigError
 from trainer import gpus as G
-from trainer.estimate import CUDA_CONTEXT_MIB, MIB, Plan, estimate_memory, shape_from_config
+from trainer.estimate import CPU_BNB_RUNTIME_MIB, CPU_RUNTIME_MIB, CUDA_CONTEXT_MIB, MIB, Plan, estimate_memory, \
+    shape_from_config
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -100,6 +101,19 @@ def test_lora_dropout_and_qlora_bf16_adapter_activations():
     lo = estimate_memory(shape, replace(plan, dtype="float32", precision="fp32", device="cpu"))
     assert q.bytes["adapter"] == 8192 * (2 + 2 + 4) and lo.bytes["adapter"] == 8192 * (4 + 4 + 8)
     assert lo.bytes["activations"] - q.bytes["activations"] == 2 * 256 * (inputs * (8 - 4) + 7 * 4 * (4 - 2))
+
+
+def test_buffers_on_cpu_are_the_runtime_and_what_the_preflight_compares():
+    """On CUDA the preflight's measurement (torch's max allocated) sees neither the context nor the allocator's
+    fragmentation; on CPU the buffers are the runtime's own RSS (and bitsandbytes', and QLoRA's dequantized linear)
+    with no margin, and the RSS above the baseline sees them all."""
+    shape = shape_from_config(TINY, "t")
+    gpu = estimate_memory(shape, tiny_plan())
+    assert gpu.comparable == gpu.total - gpu.bytes["buffers"] == gpu.to_json()["comparable_bytes"]
+    cpu = estimate_memory(shape, tiny_plan(device="cpu"))
+    assert cpu.bytes["buffers"] == CPU_RUNTIME_MIB * MIB and cpu.comparable == cpu.total
+    q = estimate_memory(shape, tiny_plan(method="qlora", device="cpu"))
+    assert q.bytes["buffers"] == (CPU_RUNTIME_MIB + CPU_BNB_RUNTIME_MIB) * MIB + 64 * 128 * 2  # + gate/up/down in bf16
 
 
 def test_param_count_matches_transformers():
