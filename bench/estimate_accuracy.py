@@ -72,9 +72,11 @@ profiler's live-tensor timeline of real SFTTrainer steps and autograd's saved te
   of the old table) and the adapter, its gradients and AdamW states take 8 B per parameter;
 - the CPU runtime's own RSS (15 MiB, + 8 with bitsandbytes), measured on a model with negligible tensors.
 Still outside +-5% (all under): checkpointing with LoRA/QLoRA (tiny qlora 128 -12.0%, tiny lora 128 -7.0%, tiny
-qlora 512 -6.2%, SmolLM2 lora 128 -5.4%): 5-7 MB on the tiny model, 48 MB on SmolLM2. Not modeled: the transients
-of the recomputed layer's forward and backward beyond the MLP's gradients in flight (bitsandbytes' dequantized
-weight in the backward, peft's output copies); with checkpointing these are a larger share of a small peak.
+qlora 512 -6.2%, SmolLM2 lora 128 -5.4%): 5-7 MB on the tiny model, 48 MB on SmolLM2. It is not in torch's tensors:
+the profiler's live-tensor peak of the same step (TRL SFTTrainer, lora, 4 x 128 tokens, checkpointing) is 229 MB
+on a SmolLM2-shaped model against 228 estimated, 24.3 against 24.9 on the tiny one. The rest is RSS outside the
+tensors, not identified (not the CPU runtime, which measures the same with checkpointing; perhaps glibc heap
+fragmentation from the small tensors the recomputation frees and allocates again).
 Not checked here: a GPU (the CUDA-side terms: bool dropout masks, fused AdamW, the context and the allocator
 margin), and the loss of kinds other than sft (pretrain's whole-batch cross-entropy is the plain-loop case
 profiled; DPO, GRPO, PPO and reward are not measured).
