@@ -24,8 +24,9 @@ the model's parameters and buffers, trainer.metrics.nonmodel_rss_mb, so the libr
 the estimate does not model are left out; the child runs with glibc's mmap threshold pinned, so that its RSS follows
 its live tensors, see _cpu_malloc_tracks_tensors), the checkpoint's size, whether the reload
 and the generation worked (and what was generated), and the estimate of trainer/estimate.py for the same
-settings with the error of the estimate against the measurement in percent (on CPU: the estimate's tensors,
-without the CUDA context and the allocator margin, against the peak RSS above the baseline).
+settings with the error of the estimate against the measurement in percent (the estimate's `comparable` part,
+without the CUDA context and the allocator margin that torch's max allocated does not count; on CPU it holds the
+CPU runtime's own RSS instead, and is compared with the peak RSS above the baseline).
 The trained weights are not kept (the artifact holds `preflight.json` and the generations), only measured.
 """
 from __future__ import annotations
@@ -179,8 +180,7 @@ def run(cfg: PreflightConfig, inputs: list[Artifact], out: Path, runtime: StageR
     compared = est_total = err = None
     if est is not None:
         est_total = round(est["total_bytes"] / 2**20, 1)
-        compared = est_total if on_gpu else round(sum(
-            v["bytes"] for k, v in est["components"].items() if k != "buffers") / 2**20, 1)
+        compared = round(est["comparable_bytes"] / 2**20, 1)
         if measured:
             err = round(100 * (compared - measured) / measured, 1)
     result = PreflightResult(
@@ -259,7 +259,7 @@ def _estimate(cfg: PreflightConfig, tcfg, inputs: list[Artifact], runtime: Stage
                       lora_rank=tcfg.lora.rank, lora_targets=tcfg.lora.target_modules, lora_dropout=tcfg.lora.dropout,
                       quant_double=tcfg.lora.double_quant,
                       reference_copy=tcfg.method == "full" and kind in ("dpo", "ppo"),
-                      generation=kind in ("ppo", "grpo"))
+                      generation=kind in ("ppo", "grpo"), device="cuda" if _on_gpu() else "cpu")
         return E.estimate_memory(shape, plan).to_json()
     except Exception as e:  # noqa: BLE001  the measurement stands without it
         notes.append(f"no estimate: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

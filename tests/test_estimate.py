@@ -13,7 +13,8 @@ import pytest
 
 from lmforge.errors import ConfigError
 from trainer import gpus as G
-from trainer.estimate import CUDA_CONTEXT_MIB, MIB, Plan, estimate_memory, shape_from_config
+from trainer.estimate import CPU_BNB_RUNTIME_MIB, CPU_RUNTIME_MIB, CUDA_CONTEXT_MIB, MIB, Plan, estimate_memory, \
+    shape_from_config
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -31,23 +32,88 @@ def tiny_plan(**kw) -> Plan:
     return Plan(**{**base, **kw})
 
 
+# one decoder layer of TINY, bytes per token kept for backward under full training at c bytes (module docstring)
+def full_layer_per_token(c: int) -> int:
+    h, a, k, d, i = 64, 4, 2, 16, 128
+    return 2 * (4 * h + 4) + 2 * c * h + 2 * c * h + c * (a * d + 2 * k * d) + c * a * d + 4 * a + 3 * c * i + c * i
+
+
 def test_tiny_llama_full_components_exact():
     shape = shape_from_config(TINY, "tiny")
     assert shape.params() == PARAMS == 86848
-    est = estimate_memory(shape, tiny_plan())
+    est = estimate_memory(shape, tiny_plan(micro_batch=8, seq_tokens=32))
     b = est.bytes
     assert b["weights"] == PARAMS * 2 == 173696  # bf16
-    assert b["gradients"] == PARAMS * 2
     assert b["optimizer"] == PARAMS * 2 * 2  # AdamW m and v in the params' dtype
     assert b["adapter"] == 0 and b["other_models"] == 0
-    # activations: n = 2 rows x 8 tokens = 16, c = 2
-    per_token = 64 * (2 * 2 + 8) + 2 * (64 + 2 * 32) + 2 * (64 + 32) + 2 * 64 + 4 * 2 * 128
-    layer = 16 * per_token + 2 * 4 * 8 * 4  # + sdpa logsumexp
-    act = 2 * layer + 16 * 64 * 2 + 16 * 64 * (2 + 4) + 16 * 100 * (2 + 8)
-    assert b["activations"] == act == 100480
-    tensors = 173696 * 2 + 2 * 173696 + act
+    # the peak is the start of backward: of the gradients only lm_head's exists (made during the loss's backward)
+    assert b["gradients"] == 100 * 64 * 2 and "start of backward" in est.notes["activations"]
+    # activations: n = 8 rows x 32 tokens = 256, c = 2
+    assert full_layer_per_token(2) == 2456
+    layer = 256 * 2456
+    kept = 2 * layer + 2 * 256 * 16 * 2  # 2 layers + rotary cos, sin
+    final = 256 * (4 * 64 + 4 + 2 * 64) + 256 * 64 * 2 + 4 * 256 * 100 * 4  # final norm, gathered hidden, one chunk
+    assert b["activations"] == kept + max(final, 256 * 128 * 2 * 2) == 1815552
+    tensors = 173696 + 12800 + 2 * 173696 + 1815552
     assert b["buffers"] == CUDA_CONTEXT_MIB * MIB + round(0.1 * tensors)
     assert est.total == sum(b.values())
+
+
+def test_full_training_peak_moments():
+    """Gradients at the peak: all of them at the end of backward (a small batch), with gradient accumulation (the
+    earlier micro-batches' are there), and at the optimizer step with its CPU temporaries."""
+    shape = shape_from_config(TINY, "t")
+    small = estimate_memory(shape, tiny_plan())  # n = 16: one layer's activations < the gradients
+    assert small.bytes["gradients"] == PARAMS * 2 and "end of backward" in small.notes["activations"]
+    assert small.bytes["activations"] == 16 * 2456 + 16 * 128 * 2 * 2  # the last layer and its backward
+    big = estimate_memory(shape, tiny_plan(micro_batch=8, seq_tokens=32, grad_accumulation_steps=2))
+    assert big.bytes["gradients"] == PARAMS * 2 and big.bytes["activations"] == 1815552
+    cpu = tiny_plan(dtype="float32", precision="fp32", micro_batch=1, seq_tokens=4, device="cpu")
+    step = estimate_memory(shape, cpu)
+    assert "optimizer step" in step.notes["activations"] and step.bytes["activations"] == 0
+    # AdamW on CPU: two temporaries of the largest trainable tensor (gate/up/down, 64 x 128) in fp32
+    assert step.bytes["optimizer"] == PARAMS * 8 + 2 * 64 * 128 * 4 and step.bytes["gradients"] == PARAMS * 4
+    assert estimate_memory(shape, replace(cpu, device="cuda")).bytes["optimizer"] == PARAMS * 8  # fused: none
+
+
+def test_loss_tensors_chunked_for_sft_whole_for_pretrain():
+    """sft: TRL's chunked cross-entropy keeps 4 fp32 tensors of 256 tokens x V; pretrain (the model's own loss):
+    log-softmax's output and the gradients in and out of it, 3 x n x V fp32."""
+    shape = shape_from_config(TINY, "t")
+    plan = tiny_plan(micro_batch=4, seq_tokens=256)  # n = 1024 > one chunk
+    sft = estimate_memory(shape, plan).bytes["activations"]
+    pre = estimate_memory(shape, replace(plan, kind="pretrain")).bytes["activations"]
+    assert pre - sft == 3 * 1024 * 100 * 4 - 4 * 256 * 100 * 4
+
+
+def test_lora_dropout_and_qlora_bf16_adapter_activations():
+    shape = shape_from_config(TINY, "t")
+    plan = tiny_plan(method="lora", lora_rank=4, micro_batch=8, seq_tokens=32)
+    act = {d: estimate_memory(shape, replace(plan, device=d)).bytes["activations"] for d in ("cuda", "cpu")}
+    inputs = 6 * 64 + 128  # the inputs of q, k, v, o, gate, up (64) and down (128), per token
+    # the dropout mask: a bool on CUDA, a noise tensor of c bytes on CPU; 2 layers x 256 tokens
+    assert act["cpu"] - act["cuda"] == 2 * 256 * inputs * (2 - 1)
+    # without dropout, A keeps the normalized outputs and down's input (shared), not a copy and a mask per module
+    nodrop = estimate_memory(shape, replace(plan, lora_dropout=0.0)).bytes["activations"]
+    assert act["cuda"] - nodrop == 2 * 256 * (inputs * (2 + 1) - (2 * 64 + 128) * 2)
+    # QLoRA under TRL: bf16 adapter (weights, gradients, AdamW states in bf16) and bf16 LoRA-branch activations
+    q = estimate_memory(shape, replace(plan, method="qlora", dtype="float32", precision="fp32", device="cpu"))
+    lo = estimate_memory(shape, replace(plan, dtype="float32", precision="fp32", device="cpu"))
+    assert q.bytes["adapter"] == 8192 * (2 + 2 + 4) and lo.bytes["adapter"] == 8192 * (4 + 4 + 8)
+    assert lo.bytes["activations"] - q.bytes["activations"] == 2 * 256 * (inputs * (8 - 4) + 7 * 4 * (4 - 2))
+
+
+def test_buffers_on_cpu_are_the_runtime_and_what_the_preflight_compares():
+    """On CUDA the preflight's measurement (torch's max allocated) sees neither the context nor the allocator's
+    fragmentation; on CPU the buffers are the runtime's own RSS (and bitsandbytes', and QLoRA's dequantized linear)
+    with no margin, and the RSS above the baseline sees them all."""
+    shape = shape_from_config(TINY, "t")
+    gpu = estimate_memory(shape, tiny_plan())
+    assert gpu.comparable == gpu.total - gpu.bytes["buffers"] == gpu.to_json()["comparable_bytes"]
+    cpu = estimate_memory(shape, tiny_plan(device="cpu"))
+    assert cpu.bytes["buffers"] == CPU_RUNTIME_MIB * MIB and cpu.comparable == cpu.total
+    q = estimate_memory(shape, tiny_plan(method="qlora", device="cpu"))
+    assert q.bytes["buffers"] == (CPU_RUNTIME_MIB + CPU_BNB_RUNTIME_MIB) * MIB + 64 * 128 * 2  # + gate/up/down in bf16
 
 
 def test_param_count_matches_transformers():
@@ -98,10 +164,12 @@ def test_qlora_weights_are_4bit_with_absmax():
 
 def test_sharding_ddp_zero2_zero3():
     shape = shape_from_config(TINY, "t")
-    one = estimate_memory(shape, tiny_plan(dtype="float32", deepspeed=True)).bytes
-    ddp = estimate_memory(shape, tiny_plan(world_size=4)).bytes
-    z2 = estimate_memory(shape, tiny_plan(dtype="float32", deepspeed=True, world_size=4, sharding="zero2")).bytes
-    z3 = estimate_memory(shape, tiny_plan(dtype="float32", deepspeed=True, world_size=4, sharding="zero3")).bytes
+    acc = dict(grad_accumulation_steps=2)  # all gradients exist at the peak
+    one = estimate_memory(shape, tiny_plan(dtype="float32", deepspeed=True, **acc)).bytes
+    ddp = estimate_memory(shape, tiny_plan(world_size=4, **acc)).bytes
+    ds = dict(dtype="float32", deepspeed=True, world_size=4)
+    z2 = estimate_memory(shape, tiny_plan(sharding="zero2", **ds, **acc)).bytes
+    z3 = estimate_memory(shape, tiny_plan(sharding="zero3", **ds, **acc)).bytes
     assert ddp["weights"] == PARAMS * 2 and ddp["optimizer"] == PARAMS * 4  # replicated
     assert z2["weights"] == one["weights"] and z2["gradients"] == PARAMS * 2 // 4 and z2["optimizer"] == PARAMS * 12 // 4
     assert z3["weights"] == one["weights"] // 4 == PARAMS * 2 // 4
@@ -110,13 +178,18 @@ def test_sharding_ddp_zero2_zero3():
 
 def test_attention_and_checkpointing_change_activations_exactly():
     shape = shape_from_config(TINY, "t")
-    sdpa = estimate_memory(shape, tiny_plan()).bytes["activations"]
-    eager = estimate_memory(shape, tiny_plan(attn_implementation="eager")).bytes["activations"]
-    # per layer: - logsumexp + fp32 softmax and its bf16 cast (rows x heads x s^2) + repeated k, v (4 heads, 2 kv)
-    assert eager - sdpa == 2 * (-2 * 4 * 8 * 4 + 2 * 4 * 8 * 8 * (4 + 2) + 16 * 2 * 2 * 4 * 16)
-    ckpt = estimate_memory(shape, tiny_plan(gradient_checkpointing=True)).bytes["activations"]
-    layer = (sdpa - (16 * 64 * 2 + 16 * 64 * 6 + 16 * 100 * 10)) // 2
-    assert sdpa - ckpt == 2 * layer - (2 * 16 * 64 * 2 + layer)  # L layers kept -> L inputs + one layer
+    plan = tiny_plan(micro_batch=8, seq_tokens=32, grad_accumulation_steps=2)  # n = 256; the peak: start of backward
+    sdpa = estimate_memory(shape, plan).bytes["activations"]
+    eager = estimate_memory(shape, replace(plan, attn_implementation="eager")).bytes["activations"]
+    # per layer and token: q, k, v repeated to 4 heads instead of q, k, v at 2 kv heads, the fp32 softmax and its
+    # bf16 cast (4 heads x 32 keys) instead of the logsumexp
+    assert eager - sdpa == 2 * 256 * (2 * (3 * 64 - (64 + 2 * 32)) + 4 * 32 * (4 + 2) - 4 * 4)
+    ckpt = estimate_memory(shape, replace(plan, gradient_checkpointing=True)).bytes["activations"]
+    # each layer's input + rotary cos, sin + one recomputed layer and its backward; the loss's tensors are freed by then
+    layer = 256 * 2456
+    assert ckpt == 2 * 256 * 64 * 2 + 2 * 256 * 16 * 2 + layer + 256 * 128 * 2 * 2 == 841728
+    assert sdpa - ckpt == 2 * layer - 2 * 256 * 64 * 2 - (layer + 256 * 128 * 2 * 2) + \
+        (256 * (4 * 64 + 4 + 2 * 64) + 256 * 64 * 2 + 4 * 256 * 100 * 4)
 
 
 def test_flops_model():

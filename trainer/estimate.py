@@ -25,33 +25,62 @@ Weights (component `weights`):
                   blocks (1/64 + 4/16384 byte per weight). Embeddings, norms and lm_head stay unquantized and
                   `prepare_model_for_kbit_training` casts them to fp32: 4 bytes each.
     ZeRO-3 / FSDP full_shard: / W.   offload_param to CPU: 0 on the GPU.
-Gradients (full training only): P x w (plain Trainer: gradients have the parameters' dtype; DeepSpeed bf16/fp16:
-    2). ZeRO-2, ZeRO-3, FSDP: / W.
+Gradients (full training only): P x w at most (plain Trainer: gradients have the parameters' dtype; DeepSpeed
+    bf16/fp16: 2). ZeRO-2, ZeRO-3, FSDP: / W. Which of them exist at the peak, see Peak.
 Optimizer states (full training only), per trainable parameter:
     adamw_torch  2 states (m, v) in the parameters' dtype (torch keeps states in the param dtype): 2 w
     lion         1 fp32 state (bitsandbytes 32-bit): 4
     adafactor    factored second moment, about (rows + cols) per matrix: ~ 4 x 2 / h per parameter
     DeepSpeed with bf16/fp16 adds fp32 master weights (4) and keeps the states in fp32: Adam 4 + 8 = 12 bytes,
     the "K = 12" of the ZeRO paper. ZeRO-2, ZeRO-3, FSDP: / W. offload_optimizer to CPU: 0 on the GPU.
-Adapter (lora, qlora; component `adapter`): peft keeps adapters in fp32 (autocast_adapter_dtype), so
-    P_lora x (4 weights + 4 gradients + optimizer states as above at fp32). Sharded like full training.
-Activations (component `activations`), with n = rows x s tokens:
-    per layer   n x [ h (2c + 8)             two RMSNorms: an fp32 copy of the input and the normalized output
-                    + c (a d + 2 k d)        q, k, v
-                    + c (a d + k d)          q and k after the rotary embedding
-                    + c a d                  attention output (o_proj input)
-                    + 4 c i ]                gate, up, act(gate), act(gate) x up (2 c i without a gate)
-                + attention: sdpa / flash_attention_2 keep the output and an fp32 logsumexp: rows x a x s x 4;
-                  eager keeps the fp32 softmax and its cast: rows x a x s^2 x (4 + c), and with k < a the
-                  repeated k and v: n x 2 c a d
-                + LoRA: n x c x r per targeted module (the A output), plus n x in x (c + 1) per targeted module
-                  when lora.dropout > 0 (peft's dropout copy of the input and its mask)
-    model       L x layer, or with gradient checkpointing L x n h c (each layer's input) + one layer recomputed
-                + n h c (embedding output) + n h (c + 4) (final norm)
-                + logits n V (c + 8): the head's output, the fp32 log-softmax the loss keeps for backward and
-                  the fp32 gradient that starts backward (reward models: a 1-wide score head instead).
+    Step temporaries (only when the peak is the optimizer step): torch's AdamW on CPU updates one tensor at a time
+    and `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two temporaries of its size, 2 x the largest trainable
+    tensor; on CUDA lmforge runs adamw_torch_fused (trainer/args.py), which has none.
+Adapter (lora, qlora; component `adapter`): P_lora x (a weights + a gradients + optimizer states as above at a),
+    a = 4: peft keeps adapters in fp32 (autocast_adapter_dtype); a = 2 for QLoRA under TRL's SFT, DPO, reward and
+    GRPO trainers, which cast a quantized model's trainable parameters to bf16, and under DeepSpeed mixed precision.
+    Sharded like full training.
+Activations (component `activations`): the tensors autograd keeps for backward, with n = rows x s tokens. A frozen
+    linear layer keeps nothing (autograd saves a matmul's input only for its weight's gradient; bitsandbytes' 4-bit
+    matmul saves only the quantized weight), so an input counts once, for whichever consumer keeps it.
+    per layer   n x [ 2 (4 h + 4)               two RMSNorms: the fp32 input (the layer's input in fp32) and rsqrt
+                    + 2 c h                     full: the normalized input of each norm's weight
+                    + 2 c h                     full: the normalized outputs (the q/k/v and gate/up inputs)
+                    + c (a d + 2 k d)           q and k after the rotary embedding, v (sdpa / flash)
+                    + c a d + 4 a               attention output (o_proj's input too) and the fp32 logsumexp
+                    + 3 c i                     gate (silu's input), silu(gate) and up (the product's inputs)
+                    + c i ]                     full: act(gate) x up, down_proj's input
+                  non-gated MLP: c i (the activation's input) + c i (full: down's input). eager attention instead
+                  of the sdpa terms: q, k and v repeated to a heads (3 c a d), the fp32 softmax and its cast
+                  (rows x a x s^2 x (4 + c)) and the output (c a d).
+                + LoRA, per targeted module with input size `in`: A's output n x r x e, and with lora.dropout > 0 the
+                  dropout's output n x in x e (A's input) and its mask, n x in x 1 on CUDA (a bool) but n x in x e
+                  on CPU (ATen's CPU dropout multiplies by a noise tensor of the input's dtype); e = c, or 2 for
+                  QLoRA under TRL (peft casts the input to the bf16 adapter; without dropout A keeps that cast copy).
+                  Without dropout and cast, A keeps its input itself (the normalized outputs, down's input).
+    model       kept: L x layer, or with gradient checkpointing L x n h c (each layer's input), + the rotary
+                  cos and sin (2 n d c, shared by the layers)
+                + final, at the loss's backward: the final norm (n (4 h + 4), + n c h full) and the loss:
+                  sft: TRL's SFTTrainer computes lm_head and the cross-entropy in chunks of 256 tokens, each
+                  recomputed in backward (loss_type chunked_nll, TRL's default): the gathered hidden states n h c
+                  and one chunk's fp32 logits, log-softmax, its exp and their product, 4 x min(256, n) x V x 4;
+                  pretrain, dpo, grpo, ppo: the model's own cross-entropy over all logits, whose peak is
+                  log-softmax's backward: its saved output, the gradient coming in and the one going out, 3 n V x 4,
+                  plus lm_head's input n h c; reward models: a 1-wide score head, n h c + n (c + 8)
+                + one layer's backward: its gradients in flight, 2 c i n (gated; c i n otherwise)
+    The start of backward holds kept + max(final, backward) and, with checkpointing, the recomputed layer with the
+    backward: kept + max(final, layer + backward) (backward frees the loss's tensors before it recomputes a layer).
     rows: sft, pretrain, grpo b; reward and dpo 2b (chosen and rejected in one batch); ppo b for the policy
     plus b for the value model (a score head, no logits).
+Peak: the largest of three moments, since the Trainer frees gradients after every optimizer step
+    (zero_grad(set_to_none=True)) and backward creates them layer by layer while it frees that layer's activations:
+    - start of backward: the activations above, and the gradients that exist then: lm_head's (for tied embeddings
+      the embedding's, V h x w; it is made during the loss's backward) with grad_accumulation_steps 1, all of them
+      with accumulation (from the second micro-batch on, the earlier micro-batches' gradients are there);
+    - end of backward: all gradients, the last layer's activations and its backward;
+    - the optimizer step: all gradients and the step temporaries.
+    Between the first two, the layers trade activations for gradients one by one, so the total moves linearly and
+    its largest value is at one end. LoRA's gradients are in `adapter` throughout.
 Other models (component `other_models`): frozen copies at w bytes per parameter (sharded by ZeRO-3/FSDP):
     dpo full: the reference; ppo: the reward model, the value model (trained fully: weights, gradients and
     optimizer like full training), and the reference when full; grpo full with beta > 0: the reference; a reward
@@ -63,6 +92,10 @@ Buffers (component `buffers`):
     (the live one and the prefetched one); qlora: the largest linear layer dequantized in compute dtype;
     ppo, grpo: the generation KV cache for b x grad_accumulation_steps rows, L x 2 x k d x s x c each;
     then the allocator's fragmentation margin, FRAGMENTATION of every tensor above.
+    On CPU (the preflight's runs) instead of the CUDA context and the margin: the CPU runtime's own RSS,
+    CPU_RUNTIME_MIB (+ CPU_BNB_RUNTIME_MIB for qlora), measured on a model whose tensors are negligible.
+    `comparable` leaves out what torch's allocator does not count (the CUDA context, the fragmentation margin): the
+    preflight compares it with torch's max allocated on CUDA and with the RSS above its baseline on CPU.
 
 The estimate is meant for planning (does it fit, roughly how much headroom); the preflight stage measures the
 real peak on the planned settings.
@@ -77,15 +110,26 @@ from trainer.errors import SettingError
 GIB = 2**30
 MIB = 2**20
 CUDA_CONTEXT_MIB = 600  # CUDA context + cuBLAS/cuDNN workspaces + loaded kernels, as nvidia-smi shows them
+# What a CPU training process's RSS gains in its first steps beyond its tensors (OpenMP/oneDNN runtime, kernels'
+# scratch; bitsandbytes' CPU backend adds its own). Measured the way the preflight measures, on a model whose tensors
+# are negligible (TRL SFTTrainer, a 1-layer hidden-64 llama, 16 tokens, 3 steps, mmap threshold pinned): 16 MiB of
+# RSS above the baseline for full and LoRA, 23.5 for QLoRA, with 1 or 2 threads alike; less ~0.5 MiB of tensors.
+CPU_RUNTIME_MIB = 15
+CPU_BNB_RUNTIME_MIB = 8
 FRAGMENTATION = 0.10  # the caching allocator's fragmentation and rounding, as a fraction of the tensors
 QLORA_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
 QLORA_DOUBLE_QUANT_BLOCK = 256  # double quantization: one fp32 constant per 256 absmax values
 ZERO2_ALLGATHER_ELEMENTS = 200_000_000  # configs/deepspeed/zero2*.json allgather_bucket_size
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TRL_CE_CHUNK_TOKENS = 256  # trl SFTTrainer's loss_type chunked_nll (its default): tokens per lm_head chunk
+#: kinds whose TRL trainer casts a QLoRA model's trainable (adapter) parameters to bf16 (SFT, DPO, reward, GRPO)
+TRL_BF16_QLORA_KINDS = frozenset({"sft", "dpo", "reward", "grpo"})
+CHUNK_LOSS_TENSORS = 4  # fp32 chunk x V tensors alive at once in a chunk: logits, log-softmax, its exp, their product
 COMPONENTS = ("weights", "gradients", "optimizer", "adapter", "activations", "other_models", "buffers")
 
 AttnImpl = Literal["sdpa", "flash_attention_2", "eager"]
 Sharding = Literal["none", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op"]
+Device = Literal["cuda", "cpu"]
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: model types whose decoder has the llama layout (separate q/k/v/o, a gated or plain MLP, RMSNorm)
 LLAMA_FAMILY = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
@@ -251,6 +295,7 @@ class Plan:
     reward_shape: ModelShape | None = None  # ppo (and grpo with a reward stage): the reward model's backbone
     value_model: bool = False  # ppo: a trained copy of the reward model
     generation: bool = False  # ppo, grpo: rollouts with a KV cache
+    device: Device = "cuda"  # cpu: the preflight's CPU runs (dropout masks and AdamW temporaries differ)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -266,13 +311,21 @@ class Breakdown:
     notes: dict[str, str] = field(default_factory=dict)
     params: int = 0
     trainable_params: int = 0
+    untracked: int = 0  # bytes of `buffers` that torch's allocator does not count: the CUDA context, fragmentation
+
+    @property
+    def comparable(self) -> int:
+        """What the preflight measures: torch's max allocated on CUDA (no context, no fragmentation), on CPU the RSS
+        above the baseline (the CPU runtime included)."""
+        return self.total - self.untracked
 
     @property
     def total(self) -> int:
         return sum(self.bytes.values())
 
     def to_json(self) -> dict[str, Any]:
-        return {"total_bytes": self.total, "total_gib": round(self.total / GIB, 3), "params": self.params,
+        return {"total_bytes": self.total, "total_gib": round(self.total / GIB, 3), "comparable_bytes": self.comparable,
+                "params": self.params,
                 "trainable_params": self.trainable_params,
                 "components": {k: {"bytes": v, "gib": round(v / GIB, 3), "note": self.notes.get(k, "")}
                                for k, v in self.bytes.items()}}
@@ -296,6 +349,15 @@ def qlora_bytes_per_weight(double_quant: bool) -> float:
     return 0.5 + 4 / QLORA_BLOCK
 
 
+def adapter_bytes(p: Plan) -> int:
+    """Bytes of a LoRA parameter (and of its gradient and AdamW states, which torch keeps in the parameter's dtype):
+    peft keeps adapters in fp32 (autocast_adapter_dtype); TRL's trainers cast a QLoRA model's trainable parameters
+    to bf16 (the QLoRA paper's recipe); DeepSpeed mixed precision holds 16 bits."""
+    if (p.deepspeed and p.precision in ("bf16", "fp16")) or (p.method == "qlora" and p.kind in TRL_BF16_QLORA_KINDS):
+        return 2
+    return 4
+
+
 def optimizer_bytes_per_param(p: Plan, state_bytes: int, hidden_size: int) -> float:
     """Optimizer state bytes per trainable parameter (master weights included under DeepSpeed mixed precision)."""
     master = p.deepspeed and p.precision in ("bf16", "fp16")
@@ -304,28 +366,111 @@ def optimizer_bytes_per_param(p: Plan, state_bytes: int, hidden_size: int) -> fl
     return per + (4 if master else 0)
 
 
-def activation_bytes(shape: ModelShape, p: Plan, rows: int, logits: bool = True, lora: bool = False) -> int:
-    """Activations kept for backward by `rows` rows of p.seq_tokens tokens (formulas in the module docstring)."""
-    c, s = compute_bytes(p), p.seq_tokens
-    n = rows * s
-    h, a, k, d, i = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate_size
-    per_token = h * (2 * c + 8) + c * (a * d + 2 * k * d) + c * (a * d + k * d) + c * a * d + \
-        (4 if shape.gated_mlp else 2) * c * i
-    layer = n * per_token
-    if p.attn_implementation == "eager":
-        layer += rows * a * s * s * (4 + c) + (n * 2 * c * a * d if k < a else 0)
-    else:
-        layer += rows * a * s * 4
-    if lora:
+def lora_target_names(shape: ModelShape, p: Plan) -> list[str]:
+    linears = shape.linears()
+    return list(linears) if p.lora_targets == "all-linear" else [t.rsplit(".", 1)[-1] for t in p.lora_targets]
+
+
+def layer_bytes_per_token(shape: ModelShape, p: Plan, lora: bool) -> float:
+    """Bytes one decoder layer keeps for backward per token (the module docstring's per-layer formula).
+
+    A frozen linear layer keeps nothing: autograd saves a matmul's input only for its weight's gradient, and
+    bitsandbytes' 4-bit matmul saves only the quantized weight. So an input is kept once, by whichever consumer needs
+    it: every linear layer under full training, LoRA's A matrix when lora.dropout is 0 (with dropout it keeps the
+    dropout's output instead)."""
+    c, h, a, k, d, i = compute_bytes(p), shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, \
+        shape.intermediate_size
+    full = not lora
+    targets = set(lora_target_names(shape, p)) if lora else set()
+    dropout = lora and p.lora_dropout > 0
+    # peft casts a LoRA layer's input to the adapter's dtype (bf16 under TRL's QLoRA; no copy when they agree)
+    la = 2 if p.method == "qlora" and p.kind in TRL_BF16_QLORA_KINDS else c
+    cast = lora and la != c
+
+    def input_kept(*consumers: str) -> bool:
+        return full or (not dropout and not cast and bool(targets & set(consumers)))
+
+    norm = 4 * h + 4 + (c * h if full else 0)  # fp32 input and rsqrt; the normalized input when its weight trains
+    out = 2 * norm + (c * h if input_kept("q_proj", "k_proj", "v_proj") else 0) + \
+        (c * h if input_kept("gate_proj", "up_proj") else 0)
+    if p.attn_implementation == "eager":  # q; k, v repeated to a heads; the fp32 softmax and its cast; the output
+        out += c * a * d * 3 + p.seq_tokens * a * (4 + c) + c * a * d
+    else:  # q, k after the rotary embedding, v, the output and an fp32 logsumexp per head
+        out += c * (a * d + 2 * k * d) + c * a * d + 4 * a
+    if shape.gated_mlp:  # gate (silu's input), silu(gate) and up (the product's inputs)
+        out += 3 * c * i
+    else:  # up (the activation's input)
+        out += c * i
+    out += c * i if input_kept("down_proj") else 0  # act(gate) x up, down_proj's input
+    if lora:  # A's output; dropout's output and mask, or without dropout the cast input (each target its own)
         linears = shape.linears()
-        names = list(linears) if p.lora_targets == "all-linear" else [t.rsplit(".", 1)[-1] for t in p.lora_targets]
-        layer += sum(n * c * p.lora_rank + (n * linears[t][0] * (c + 1) if p.lora_dropout > 0 else 0) for t in names)
-    if p.gradient_checkpointing:
-        body = shape.num_layers * n * h * c + layer
+        mask = la if p.device == "cpu" else 1  # CPU dropout multiplies by a noise tensor; CUDA keeps a bool mask
+        for t in targets:
+            out += la * p.lora_rank + ((la + mask) * linears[t][0] if dropout else la * linears[t][0] if cast else 0)
+    return out
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What a micro-batch keeps alive, in bytes (see `Activations` in the module docstring).
+
+    kept: what every layer keeps until its backward (gradient checkpointing: each layer's input), plus the rotary
+    cos/sin; final: the final norm's and the loss's own tensors during the loss's backward; layer: one layer's saved
+    tensors (recomputed one at a time under checkpointing); backward: a layer's gradients in flight during its
+    backward."""
+
+    kept: int
+    final: int
+    layer: int
+    backward: int
+    checkpointing: bool
+
+    def start(self) -> int:
+        """At the start of backward: all of `kept`, and the loss's backward or the first layer's, whichever is more
+        (the loss's tensors are freed before backward reaches a layer)."""
+        return self.kept + max(self.final, (self.layer if self.checkpointing else 0) + self.backward)
+
+    def end(self) -> int:
+        """At the end of backward: the last layer's saved tensors and its gradients in flight."""
+        return self.layer + self.backward
+
+
+def activations(shape: ModelShape, p: Plan, rows: int, loss: str = "plain", lora: bool = False) -> Activations:
+    """Activations of `rows` rows of p.seq_tokens tokens. loss: "chunked" (TRL SFT's chunked_nll), "plain" (the
+    model's own cross-entropy over all logits) or "score" (a 1-wide score head)."""
+    c, h, n = compute_bytes(p), shape.hidden_size, rows * p.seq_tokens
+    layer = round(n * layer_bytes_per_token(shape, p, lora))
+    rope = 2 * n * shape.head_dim * c
+    kept = rope + (shape.num_layers * n * h * c if p.gradient_checkpointing else shape.num_layers * layer)
+    final = n * (4 * h + 4 + (0 if lora else c * h))  # the final norm, as a layer's norm
+    if loss == "chunked":  # the gathered hidden states, one chunk's fp32 logits-sized tensors
+        final += n * h * c + CHUNK_LOSS_TENSORS * min(TRL_CE_CHUNK_TOKENS, n) * shape.vocab_size * 4
+    elif loss == "plain":  # lm_head's input; at log-softmax's backward its saved output, its gradient in and out
+        final += n * h * c + 3 * n * shape.vocab_size * 4
     else:
-        body = shape.num_layers * layer
-    head = n * shape.vocab_size * (c + 8) if logits else n * (c + 8)
-    return body + n * h * c + n * h * (c + 4) + head
+        final += n * h * c + n * (c + 8)
+    backward = n * shape.intermediate_size * c * (2 if shape.gated_mlp else 1)
+    return Activations(kept=kept, final=final, layer=layer, backward=backward, checkpointing=p.gradient_checkpointing)
+
+
+def loss_path(kind: str) -> str:
+    """How the stage's trainer computes its token loss: TRL's SFTTrainer chunks the lm_head and cross-entropy
+    (loss_type chunked_nll, TRL's default); the others materialize the logits of the whole micro-batch."""
+    return "chunked" if kind == "sft" else "plain"
+
+
+def optimizer_step_temp_bytes(shape: ModelShape, p: Plan, w: int) -> int:
+    """Temporaries of the optimizer step. torch's AdamW on CPU runs one tensor at a time (no foreach kernels on CPU),
+    and `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two temporaries the size of that tensor: 2 x the largest
+    trainable tensor. On CUDA lmforge asks for adamw_torch_fused (trainer/args.py), one kernel without temporaries;
+    DeepSpeed steps its own flat buffers."""
+    if p.device != "cpu" or p.optimizer != "adamw_torch" or p.deepspeed:
+        return 0
+    linears = shape.linears()
+    if p.method == "full":
+        largest = max([shape.vocab_size * shape.hidden_size] + [i * o for i, o in linears.values()])
+        return 2 * largest * w
+    return 2 * max(p.lora_rank * max(linears[t]) for t in lora_target_names(shape, p)) * adapter_bytes(p)
 
 
 def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
@@ -359,8 +504,6 @@ def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
     grad_w = 2 if (p.deepspeed and p.precision in ("bf16", "fp16")) else w
     if p.method == "full":
         out.trainable_params = shape.params()
-        b["gradients"] = shape.params() * grad_w // ss
-        out.notes["gradients"] = f"{shape.params():,} x {grad_w} B" + (f" / {W} ({p.sharding})" if shard_states else "")
         opt = optimizer_bytes_per_param(p, w, shape.hidden_size)
         b["optimizer"] = 0 if p.offload_optimizer else round(shape.params() * opt / ss)
         out.notes["optimizer"] = f"{p.optimizer}: {opt:g} B per trainable param" + \
@@ -370,8 +513,8 @@ def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
         lora_n = shape.lora_params(p.lora_rank, p.lora_targets)
         out.trainable_params = lora_n
         out.params += lora_n
-        aw = 2 if (p.deepspeed and p.precision in ("bf16", "fp16")) else 4
-        opt = optimizer_bytes_per_param(p, 4, shape.hidden_size)
+        aw = adapter_bytes(p)
+        opt = optimizer_bytes_per_param(p, aw, shape.hidden_size)
         b["gradients"], b["optimizer"] = 0, 0
         b["adapter"] = lora_n * aw // ws + lora_n * aw // ss + (0 if p.offload_optimizer else round(lora_n * opt / ss))
         out.notes["adapter"] = (f"{lora_n:,} LoRA params (rank {p.lora_rank}): {aw} B weights + {aw} B grads + "
@@ -379,13 +522,38 @@ def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
         out.notes["gradients"] = out.notes["optimizer"] = "frozen base: none (see adapter)"
 
     rows = 2 * p.micro_batch if p.kind in ("reward", "dpo") else p.micro_batch
-    act = activation_bytes(shape, p, rows, logits=p.kind != "reward", lora=p.method != "full")
+    loss = "score" if p.kind == "reward" else loss_path(p.kind)
+    acts = activations(shape, p, rows, loss, lora=p.method != "full")
     notes = [f"{rows} rows x {p.seq_tokens} tokens, {p.attn_implementation}, checkpointing "
-             f"{'on' if p.gradient_checkpointing else 'off'}"]
+             f"{'on' if p.gradient_checkpointing else 'off'}, {loss} loss"]
+    value_acts = 0
+    if p.value_model and p.reward_shape is not None:
+        value_acts = activations(p.reward_shape, p, p.micro_batch, "score").start()
+        notes.append("+ value model")
+    # The peak is the largest of three moments (module docstring, "Peak"). Full training: the Trainer frees the
+    # gradients after each optimizer step (zero_grad(set_to_none=True)), and backward creates them as it goes; at the
+    # start of backward only lm_head's gradient (the tied embedding's) exists, unless gradients accumulate over
+    # micro-batches, when all of them are there from the second micro-batch on.
+    full = p.method == "full"
+    all_grads = shape.params() * grad_w // ss if full else 0
+    head_grad = shape.vocab_size * shape.hidden_size * grad_w // ss if full and loss != "score" else 0
+    before = all_grads if p.grad_accumulation_steps > 1 else head_grad
+    temp = 0 if p.offload_optimizer else optimizer_step_temp_bytes(shape, p, w)
+    phases = {"start of backward": (before, acts.start() + value_acts, 0),
+              "end of backward": (all_grads, acts.end(), 0),
+              "optimizer step": (all_grads, 0, temp)}
+    phase, (grads, act, temp) = max(phases.items(), key=lambda kv: sum(kv[1]))
+    notes.append(f"peak at the {phase}")
+    if full:
+        b["gradients"] = grads
+        which = "all" if grads == all_grads else "lm_head's (tied: the embedding's) only"
+        out.notes["gradients"] = f"{which} at the {phase}: {grads * ss // grad_w:,} x {grad_w} B" + \
+            (f" / {W} ({p.sharding})" if shard_states else "")
+    if temp:  # the optimizer's own temporaries, with its states (LoRA: with the adapter's)
+        b["optimizer" if full else "adapter"] += temp
+        out.notes["optimizer" if full else "adapter"] += f" + {temp:,} B of step temporaries (AdamW on CPU)"
     others, other_notes = 0, []
     if p.value_model and p.reward_shape is not None:
-        act += activation_bytes(p.reward_shape, p, p.micro_batch, logits=False)
-        notes.append("+ value model")
         vp = p.reward_shape.score_model_params()
         others += vp * w // ws + vp * grad_w // ss + (0 if p.offload_optimizer else
                                                       round(vp * optimizer_bytes_per_param(p, w, shape.hidden_size) / ss))
@@ -402,7 +570,11 @@ def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
     b["other_models"] = others
     out.notes["other_models"] = "; ".join(other_notes) or "none"
 
-    buf, buf_notes = CUDA_CONTEXT_MIB * MIB, [f"CUDA context {CUDA_CONTEXT_MIB} MiB"]
+    if p.device == "cpu":
+        runtime = CPU_RUNTIME_MIB + (CPU_BNB_RUNTIME_MIB if p.method == "qlora" else 0)
+        buf, buf_notes = runtime * MIB, [f"CPU runtime {runtime} MiB"]
+    else:
+        buf, buf_notes = CUDA_CONTEXT_MIB * MIB, [f"CUDA context {CUDA_CONTEXT_MIB} MiB"]
     if W > 1 and p.sharding == "none":
         buf += out.trainable_params * (grad_w if p.method == "full" else 4)
         buf_notes.append("DDP gradient buckets")
@@ -419,7 +591,12 @@ def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
         kv_rows = p.micro_batch * p.grad_accumulation_steps
         buf += kv_rows * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * p.seq_tokens * c
         buf_notes.append(f"KV cache of {kv_rows} rollouts")
+    if p.device == "cpu":  # no caching allocator: with the preflight's pinned mmap threshold each tensor is its own map
+        b["buffers"] = buf
+        out.notes["buffers"] = ", ".join(buf_notes)
+        return out
     frag = round(FRAGMENTATION * (sum(b.values()) + buf - CUDA_CONTEXT_MIB * MIB))
     b["buffers"] = buf + frag
+    out.untracked = CUDA_CONTEXT_MIB * MIB + frag
     out.notes["buffers"] = ", ".join(buf_notes) + f", {FRAGMENTATION:.0%} fragmentation margin"
     return out
