@@ -12,8 +12,9 @@ instruction data: replies from a few words to several hundred tokens (a log-norm
 input, a few instruction templates. Training rows and held-out rows are disjoint.
 
 The two sides:
-A  lmforge: ingest (the Alpaca layout read as is) -> shard -> sft, through `execute_stage` as `lmforge run` runs
-   it: the training child process, length-grouped batches (the default), checkpoints and metrics as usual.
+A  lmforge: ingest (the Alpaca layout read as is) -> shard -> tokenize -> sft, through `execute_stage` as `lmforge
+   run` runs it: the rows tokenized once, streamed by the training child process in length-grouped micro-batches
+   (the default), checkpoints and metrics as usual; `--no-tokenize`: shard -> sft, tokenized in memory.
 B  plain: a fresh python running `plain_script()`: the same jsonl converted to messages, the same folder, SFTConfig
    with the same settings and the Trainer's random order (what a user's script gets).
 Both train one epoch over the same rows, so they see the same non-pad tokens (checked). Reported per side:
@@ -149,6 +150,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-tokenize", dest="tokenize", action="store_false",
+                    help="lmforge side without a tokenize stage: sft tokenizes in memory (the default streams the "
+                    "rows a tokenize stage made)")
     ap.add_argument("--plain", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -194,12 +198,15 @@ def main() -> None:
                "datasets": {"alpaca": {"path": str(data), "kind": "chat"}},
                "stages": {"ingest": {"kind": "ingest", "inputs": ["alpaca"]},
                           "shard": {"kind": "shard", "inputs": ["ingest"], "validation_fraction": 0.0},
-                          "sft": {"kind": "sft", "inputs": ["shard"], "retries": 0, **SETTINGS,
-                                  "batch_size_per_device": args.batch, "max_length_tokens": args.max_length,
+                          "tokens": {"kind": "tokenize", "inputs": ["shard"]},
+                          "sft": {"kind": "sft", "inputs": ["tokens" if args.tokenize else "shard"], "retries": 0,
+                                  **SETTINGS, "batch_size_per_device": args.batch, "max_length_tokens": args.max_length,
                                   "cpu_threads": args.threads, "base_model": {"path": str(model_dir)}}}}
+        if not args.tokenize:
+            del raw["stages"]["tokens"]
         plan = make_plan(parse_config(raw, REGISTRY, root=tmp), REGISTRY)
         ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=None)
-        for name in ("ingest", "shard", "sft"):
+        for name in ("ingest", "shard", *(["tokens"] if args.tokenize else []), "sft"):
             execute_stage(ctx, name)
         art = plan.store.require("sft", plan.stages["sft"].artifact_id)
         r = art.result
@@ -226,7 +233,8 @@ def main() -> None:
     speed = lm["nonpad_tokens_per_s"] / plain["nonpad_tokens_per_s"]
     loss_diff = lm["heldout_loss"] / plain["heldout_loss"] - 1
     print(f"\npadding bench: SmolLM2-135M LoRA r16, {args.rows} Alpaca-style rows (one epoch), batch {args.batch}, "
-          f"max {args.max_length}, {args.threads} thread(s); load {os.getloadavg()[0]:.2f}\n")
+          f"max {args.max_length}, {args.threads} thread(s), lmforge side "
+          f"{'tokenize + streamed sft' if args.tokenize else 'sft in memory'}; load {os.getloadavg()[0]:.2f}\n")
     print(f"{'side':<9} {'non-pad tok/s':>14} {'padding':>8} {'steps':>6} {'tokens':>7} {'peak RSS MB':>12} "
           f"{'held-out loss':>14}")
     for name, d in (("lmforge", lm), ("plain", plain)):
