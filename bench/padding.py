@@ -26,6 +26,16 @@ Both train one epoch over the same rows, so they see the same non-pad tokens (ch
 - held-out assistant loss: trainer/evaluate.chat_loss (equal to TRL's eval_loss, see tests/test_eval.py) of the
   trained adapter on the held-out rows, the same conversations and mask for both.
 Target (issue 13): lmforge >= 1.3x the plain script's non-pad tokens/s, held-out loss within +-1%, peak RSS no higher.
+
+Measured 2026-12-04, 2 cores with nothing else running (the defaults: 64 rows, batch 4, max 512, 2 threads):
+
+    lmforge side               tok/s lmforge / plain    held-out loss           peak RSS MB
+    tokenize + streamed sft    153.7 / 115.2  1.33x     5.0111 / 4.9758 +0.71%  5,375 / 5,453  -79
+    tokenize + streamed sft    133.5 / 103.6  1.29x     5.0111 / 4.9794 +0.64%  5,470 / 5,385  +85
+    sft in memory              154.5 / 112.9  1.37x     5.0182 / 4.9758 +0.85%  5,462 / 5,436  +27
+
+Padding 6.1% against 37.1% in every run. The plain script is not deterministic (its held-out loss moves in the third
+decimal); lmforge's is. Peak RSS moves by about +-80 MB between runs of the same side.
 """
 from __future__ import annotations
 
