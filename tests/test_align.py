@@ -322,7 +322,8 @@ def test_align_config_errors(root, kinds_module):
     assert sorted(e.value.problems) == sorted([
         "stages.dpo_no_model.inputs: dpo needs a model to start from: add an sft stage to inputs",
         "stages.dpo_base.inputs: dpo starts from the model it is given in inputs (an sft stage); remove base_model",
-        "stages.dpo_chat.inputs: dpo reads exactly one preference shards input (got chat shards)",
+        "stages.dpo_chat.inputs: dpo reads exactly one preference shards input (or a tokenize stage's dpo_tokens "
+        "shards) (got chat shards)",
         "stages.dpo_on_rm.inputs: input 1 is a reward model; dpo starts from a policy model (e.g. an sft stage)",
         "stages.rm_no_model.inputs: reward needs a base model: set base_model (config, path, package+file or hub) or "
         "add a model stage to inputs",
