@@ -6,7 +6,7 @@
 Each cell of the grid (model x method x max_length_tokens x gradient checkpointing) is one `preflight` stage on its
 own `sft` stage (distinct stage names in one store, so ingest/shard/tokenizer run once for all cells): `steps`
 real optimizer steps in the sft stage's own training child, whose peak is measured. On CPU the preflight compares
-- measured: the child's peak RSS (ru_maxrss) above its non-model RSS when training begins (`baseline_rss_mb`:
+- measured: the child's own peak RSS (VmHWM, trainer.metrics.peak_rss_mb) above its non-model RSS when training begins (`baseline_rss_mb`:
   its RSS then less the model's parameters and buffers; trainer.metrics.nonmodel_rss_mb), the child started with
   glibc's mmap threshold pinned so that its RSS follows its live tensors (tasks/preflight._cpu_malloc_tracks_tensors),
 - estimate: trainer/estimate.py's `comparable` part for the same settings (Plan.device cpu: the tensors and the CPU
@@ -23,63 +23,41 @@ Data: chat rows whose assistant answer is ~900 pseudo-words (well over 512 token
 row is truncated to max_length_tokens and every micro-batch is b x s tokens, what the estimate assumes.
 Settings: LoRA/QLoRA rank 16 on all linear layers (dropout 0.05, the default), adamw_torch, fp32 on CPU.
 
-Measured 2026-12-04, 2 shared cores (load ~3-4), batch 4, 3 steps; error = (estimate - measured) / measured.
-The tiny rows are one run of this script with this trainer/estimate.py. The SmolLM2 cells were measured while
-trainer/estimate.py was being reworked (the measurement does not depend on it) and are scored with the committed
-estimate through the Plan the preflight builds (that path reproduces the bench's own estimates exactly):
+Measured 2026-12-04 with the child's own peak (VmHWM), one run of this script (`python bench/estimate_accuracy.py`,
+about 25 minutes), 2 cores, batch 4, 3 steps; error = (estimate - measured) / measured:
 
     model    method  seq gc    estimate MB  measured MB    error
-    tiny     full    128 off         136.5        142.7    -4.3%
-    tiny     full    128 on          103.9        108.7    -4.4%
+    tiny     full    128 off         136.5        142.2    -4.0%
+    tiny     full    128 on          103.9        108.9    -4.6%
     tiny     full    512 off         291.6        299.0    -2.5%
-    tiny     full    512 on          153.5        160.6    -4.4%
-    tiny     lora    128 off         127.1        129.5    -1.9%
-    tiny     lora    128 on           63.5         68.3    -7.0%
-    tiny     lora    512 off         355.3        353.5    +0.5%
-    tiny     lora    512 on          138.1        141.6    -2.5%
-    tiny     qlora   128 off          99.8        103.6    -3.7%
-    tiny     qlora   128 on           51.5         58.5   -12.0%
-    tiny     qlora   512 off         266.7        272.4    -2.1%
-    tiny     qlora   512 on          110.8        118.1    -6.2%
-    smollm2  full    128 off       2,511.2      2,554.4    -1.7%
-    smollm2  full    128 on        2,283.5      2,302.3    -0.8%
-    smollm2  full    512 off       4,481.5      4,528.0    -1.0%
-    smollm2  full    512 on        2,283.5      2,301.7    -0.8%
-    smollm2  lora    128 off       1,816.9      1,827.6    -0.6%
-    smollm2  lora    128 on          830.9        878.5    -5.4%
-    smollm2  lora    512 off       4,883.5      4,872.8    +0.2%
-    smollm2  lora    512 on          939.7        960.5    -2.2%
-    smollm2  qlora   128 off       1,142.4      1,147.0    -0.4%
-    smollm2  qlora   128 on          452.3        468.1    -3.4%
-    smollm2  qlora   512 off       3,321.7      3,327.6    -0.2%
-    smollm2  qlora   512 on          561.0        573.5    -2.2%
+    tiny     full    512 on          153.5        160.1    -4.1%
+    tiny     lora    128 off         127.1        131.0    -3.0%
+    tiny     lora    128 on           63.5         68.7    -7.6%
+    tiny     lora    512 off         355.3        354.4    +0.3%
+    tiny     lora    512 on          138.1        142.8    -3.3%
+    tiny     qlora   128 off          99.8        104.7    -4.7%
+    tiny     qlora   128 on           51.5         59.1   -12.9%
+    tiny     qlora   512 off         266.7        273.4    -2.5%
+    tiny     qlora   512 on          110.8        119.0    -6.9%
+    smollm2  full    128 off       2,511.2      2,554.6    -1.7%
+    smollm2  full    128 on        2,283.5      2,301.0    -0.8%
+    smollm2  full    512 off       4,481.5      4,527.1    -1.0%
+    smollm2  full    512 on        2,283.5      2,303.0    -0.8%
+    smollm2  lora    128 off       1,816.9      1,826.3    -0.5%
+    smollm2  lora    128 on          830.9        850.6    -2.3%
+    smollm2  lora    512 off       4,883.5      4,872.9    +0.2%
+    smollm2  lora    512 on          939.7        960.4    -2.2%
+    smollm2  qlora   128 off       1,142.4      1,146.5    -0.4%
+    smollm2  qlora   128 on          452.3        460.3    -1.7%
+    smollm2  qlora   512 off       3,321.7      3,319.8    +0.1%
+    smollm2  qlora   512 on          561.0        574.7    -2.4%
 
-24 of 24 cells within +-15% (2026-12-03, before the rework: 7 of 17; the 7 cells first measured on 2026-12-04,
-SmolLM2 full and qlora at 512 and checkpointing on at 128, were +4% to +191% with the old formulas). The five
-SmolLM2 cells measured on both days differ by 0.3-1.6% between the days.
-
-What the estimate now models (trainer/estimate.py's docstring has the formulas), each checked against the torch
-profiler's live-tensor timeline of real SFTTrainer steps and autograd's saved tensors on the tiny model:
-- TRL's SFTTrainer computes the loss in chunks of 256 tokens (loss_type chunked_nll, its default): 4 fp32 256 x V
-  tensors at once, not 3 n x V (the logits-sized tensors the old estimate counted were never there);
-- a frozen linear layer keeps nothing for backward (LoRA: the dropout's output and, on CPU, a noise tensor of the
-  same size per targeted module), pre-rotary q/k are not kept, the norms keep their fp32 input and rsqrt;
-- full training with grad_accumulation_steps 1: at the start of backward only the tied embedding's gradient
-  exists; the peak is the largest of start of backward, end of backward (all gradients) and the optimizer step
-  (CPU AdamW: 2 temporaries of the largest tensor). SmolLM2 full with checkpointing peaks at the optimizer step;
-- checkpointing: the recomputed layer comes after the loss's tensors are freed, not on top of them;
-- QLoRA: TRL casts a quantized model's adapter to bf16, so the LoRA branch keeps 2-byte copies (the qlora/lora gap
-  of the old table) and the adapter, its gradients and AdamW states take 8 B per parameter;
-- the CPU runtime's own RSS (15 MiB, + 8 with bitsandbytes), measured on a model with negligible tensors.
-Still outside +-5% (all under): checkpointing with LoRA/QLoRA (tiny qlora 128 -12.0%, tiny lora 128 -7.0%, tiny
-qlora 512 -6.2%, SmolLM2 lora 128 -5.4%): 5-7 MB on the tiny model, 48 MB on SmolLM2. It is not in torch's tensors:
-the profiler's live-tensor peak of the same step (TRL SFTTrainer, lora, 4 x 128 tokens, checkpointing) is 229 MB
-on a SmolLM2-shaped model against 228 estimated, 24.3 against 24.9 on the tiny one. The rest is RSS outside the
-tensors, not identified (not the CPU runtime, which measures the same with checkpointing; perhaps glibc heap
-fragmentation from the small tensors the recomputation frees and allocates again).
-Not checked here: a GPU (the CUDA-side terms: bool dropout masks, fused AdamW, the context and the allocator
-margin), and the loss of kinds other than sft (pretrain's whole-batch cross-entropy is the plain-loop case
-profiled; DPO, GRPO, PPO and reward are not measured).
+24 of 24 cells within +-15%, 21 within +-5%. The largest misses are LoRA/QLoRA with checkpointing on the tiny
+model, all underestimates (-6.9% to -12.9%): there the profiler's live-tensor peak matches the estimate, so the
+rest is process memory outside tensors, a few MB that weigh most on the smallest cells. The earlier run of
+this grid (same day, before the peak was VmHWM: ru_maxrss is inherited across fork and exec, so a child that
+peaked below its parent's RSS reported the parent's) gave -12.0% to +0.5%; the figures moved by at most 3.1
+points. Before the formulas were reworked (2026-12-03) 7 of 17 cells were within +-15%.
 """
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ A checkpoint holds the trainable weights (at w bytes; adapters fp32) and their o
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
