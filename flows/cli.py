@@ -13,12 +13,18 @@ import os
 import sys
 from typing import Any
 
-from lmforge import preflight
-from lmforge.config import load_config
-from lmforge.errors import ConfigError, LmforgeError, StageFailed
-from lmforge.interrupt import Interrupted
-from lmforge.log import setup_logging
-from lmforge.store import Artifact, ArtifactStore
+# No usage reports: Prefect's ephemeral server sends telemetry on every run unless told not to (seen as "Failed to
+# send telemetry: Name or service not known" offline), and DO_NOT_TRACK turns off MLflow's and other libraries'.
+# Before anything imports Prefect; setting either variable yourself decides instead.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from lmforge import preflight  # noqa: E402
+from lmforge.config import load_config  # noqa: E402
+from lmforge.errors import ConfigError, LmforgeError, StageFailed  # noqa: E402
+from lmforge.interrupt import Interrupted  # noqa: E402
+from lmforge.log import setup_logging  # noqa: E402
+from lmforge.store import Artifact, ArtifactStore  # noqa: E402
 
 log = logging.getLogger("flows.cli")
 EXIT_INTERRUPTED = 3
