@@ -397,11 +397,16 @@ def _check_graph(datasets, raw_stages, stages, kinds) -> list[str]:
                 if any(p.type == "invalid" for p in in_ports):  # reported upstream already
                     ports[n] = Port("invalid")
                     continue
+                kind = kinds[stages[n].kind]
                 try:
-                    ports[n] = kinds[stages[n].kind].output_port(stages[n], in_ports)
+                    ports[n] = kind.output_port(stages[n], in_ports)
                 except ValueError as e:
                     problems.append(f"stages.{n}.inputs: {e}")
                     ports[n] = Port("invalid")
+                    continue
+                if kind.output_type is not None and ports[n].type != kind.output_type:
+                    raise RuntimeError(f"stage kind {kind.kind} declares output_type {kind.output_type!r} but its "
+                                       f"output_port gave {ports[n].type!r} for stage {n}")
         if not progressed:  # inputs of an invalid stage that failed to parse
             break
     return problems

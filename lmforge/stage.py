@@ -110,6 +110,10 @@ class StageDef:
     #: parse_config's hook for kinds tied to another stage: link(name, cfg, stages) -> {name: replaced config}
     #: (tasks/preflight.py); raises ValueError("<field>: problem")
     link: Callable[[str, Any, dict[str, Any]], dict[str, Any]] | None = None
+    #: the artifact type (Port.type) of every output of this kind, where it does not depend on the config or the
+    #: inputs: what link hooks can know of a stage before ports exist (a tokenize stage tells its tokenizer and
+    #: model inputs from its data inputs by it). parse_config checks it against output_port's answer.
+    output_type: str | None = None
 
 
 def expect_inputs(inputs: list[Port], stage: str, *, count: int | None = None, types: set[str],

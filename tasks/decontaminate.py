@@ -388,4 +388,5 @@ def link(name: str, cfg: DecontaminateConfig, stages: dict[str, StageConfig]) ->
 
 STAGE = StageDef(kind="decontaminate", version="1", config=DecontaminateConfig, run=run, output_port=output_port,
                  wants_runtime=True, link=link,
-                 description="records -> records without (or flagging) those that overlap the eval tasks' documents")
+                 description="records -> records without (or flagging) those that overlap the eval tasks' documents",
+                 output_type="records")

@@ -669,4 +669,5 @@ def output_port(cfg: DedupConfig, inputs: list[Port]) -> Port:
 
 
 STAGE = StageDef(kind="dedup", version="1", config=DedupConfig, run=run, output_port=output_port,
-                 description="records -> records without exact and near duplicates (MinHash LSH)")
+                 description="records -> records without exact and near duplicates (MinHash LSH)",
+                 output_type="records")

@@ -82,4 +82,5 @@ def output_port(cfg: DpoStageConfig, inputs: list[Port]) -> Port:
 
 STAGE = StageDef(kind="dpo", version="1", code=("trainer.entry", "trainer.dpo", "trainer.tokens"),  # the child's code
                  config=DpoStageConfig, run=run, output_port=output_port, wants_runtime=True,
-                 description="SFT model + preference shards -> DPO-tuned model or LoRA adapter (TRL DPOTrainer)")
+                 description="SFT model + preference shards -> DPO-tuned model or LoRA adapter (TRL DPOTrainer)",
+                 output_type="model")

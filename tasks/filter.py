@@ -380,4 +380,5 @@ def output_port(cfg: FilterConfig, inputs: list[Port]) -> Port:
 
 
 STAGE = StageDef(kind="filter", version="1", config=FilterConfig, run=run, output_port=output_port,
-                 description="records -> records: Gopher/C4 quality rules, optional language ID and PII masking")
+                 description="records -> records: Gopher/C4 quality rules, optional language ID and PII masking",
+                 output_type="records")

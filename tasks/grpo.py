@@ -128,4 +128,4 @@ def output_port(cfg: GrpoStageConfig, inputs: list[Port]) -> Port:
 STAGE = StageDef(kind="grpo", version="1", code=("trainer.entry", "trainer.grpo"),  # the child's code
                  config=GrpoStageConfig, run=run, output_port=output_port,
                  wants_runtime=True, description="policy + prompts + reward functions and/or reward model -> "
-                 "RL-tuned model or LoRA adapter (TRL GRPOTrainer / RLOOTrainer, full/lora/qlora)")
+                 "RL-tuned model or LoRA adapter (TRL GRPOTrainer / RLOOTrainer, full/lora/qlora)", output_type="model")

@@ -259,4 +259,4 @@ def output_port(cfg: IngestConfig, inputs: list[Port]) -> Port:
 
 
 STAGE = StageDef(kind="ingest", version="1", config=IngestConfig, run=run, output_port=output_port,
-                 description="raw files -> normalized records")
+                 description="raw files -> normalized records", output_type="records")

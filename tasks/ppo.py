@@ -117,4 +117,4 @@ def output_port(cfg: PpoStageConfig, inputs: list[Port]) -> Port:
 STAGE = StageDef(kind="ppo", version="1", code=("trainer.entry", "trainer.ppo"),  # the child's code
                  config=PpoStageConfig, run=run, output_port=output_port,
                  wants_runtime=True, description="SFT policy + reward model + prompts -> PPO-tuned model or LoRA "
-                 "adapter (TRL PPOTrainer, full/lora/qlora)")
+                 "adapter (TRL PPOTrainer, full/lora/qlora)", output_type="model")

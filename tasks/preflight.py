@@ -300,4 +300,4 @@ STAGE = StageDef(kind="preflight", version="1",
                        "trainer.pretrain", "trainer.estimate"),
                  config=PreflightConfig, run=run, output_port=output_port, wants_runtime=True, link=link,
                  description="a few steps of a training stage on its settings, checkpoint, reload, generate; "
-                             "measured against the memory estimate; gates the stage")
+                             "measured against the memory estimate; gates the stage", output_type="preflight")

@@ -103,4 +103,5 @@ def output_port(cfg: PretrainConfig, inputs: list[Port]) -> Port:
 STAGE = StageDef(kind="pretrain", version="1", code=("trainer.entry", "trainer.pretrain"),  # the child's code
                  config=PretrainConfig, run=run, output_port=output_port,
                  wants_runtime=True,
-                 description="text shards -> causal LM from scratch or continued (packed rows, streamed shards)")
+                 description="text shards -> causal LM from scratch or continued (packed rows, streamed shards)",
+                 output_type="model")

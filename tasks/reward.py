@@ -110,4 +110,5 @@ def output_port(cfg: RewardStageConfig, inputs: list[Port]) -> Port:
 
 STAGE = StageDef(kind="reward", version="1", code=("trainer.entry", "trainer.reward", "trainer.tokens"),  # the child's code
                  config=RewardStageConfig, run=run, output_port=output_port,
-                 wants_runtime=True, description="preference shards -> reward model (TRL RewardTrainer, full/lora)")
+                 wants_runtime=True, description="preference shards -> reward model (TRL RewardTrainer, full/lora)",
+                 output_type="model")

@@ -203,4 +203,5 @@ def output_port(cfg: SftConfig, inputs: list[Port]) -> Port:
 
 STAGE = StageDef(kind="sft", version="1", code=("trainer.entry", "trainer.sft", "trainer.tokens"),  # the child's code
                  config=SftConfig, run=run, output_port=output_port, wants_runtime=True,
-                 description="chat shards -> fine-tuned model or LoRA adapter (TRL SFTTrainer, full/lora/qlora)")
+                 description="chat shards -> fine-tuned model or LoRA adapter (TRL SFTTrainer, full/lora/qlora)",
+                 output_type="model")

@@ -114,4 +114,4 @@ def output_port(cfg: ShardConfig, inputs: list[Port]) -> Port:
 
 
 STAGE = StageDef(kind="shard", version="1", config=ShardConfig, run=run, output_port=output_port,
-                 description="records -> webdataset tar shards, train/validation")
+                 description="records -> webdataset tar shards, train/validation", output_type="shards")

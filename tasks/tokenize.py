@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -221,7 +221,7 @@ def link(name: str, cfg: TokenizeConfig, stages: dict[str, StageConfig]) -> dict
         raise ValueError(f"rows: stages of kinds {', '.join(sorted(kinds))} read these token shards; each training "
                          "kind needs token rows of its own: give each a tokenize stage")
     for n, s in readers.items():
-        mine = [i for i in cfg.inputs if stages.get(i) is not None and _lends_tokenizer(stages[i])]
+        mine = [i for i in cfg.inputs if _lends_tokenizer(i, stages)]
         theirs = [i for i in s.inputs if i != name]
         if sorted(mine) != sorted(theirs):
             raise ValueError(f"inputs: the tokenizer/model inputs {mine} differ from stage {n}'s other inputs "
@@ -251,10 +251,14 @@ def link(name: str, cfg: TokenizeConfig, stages: dict[str, StageConfig]) -> dict
     return {name: new}
 
 
-def _lends_tokenizer(s: StageConfig) -> bool:
-    """A stage whose output carries a tokenizer: a tokenizer stage or a model-producing stage."""
-    return s.kind not in ("ingest", "filter", "dedup", "shard", "mix", "decontaminate", "tokenize", "eval",
-                          "preflight")
+def _lends_tokenizer(name: str, stages: dict[str, StageConfig]) -> bool:
+    """Whether stage `name`'s output carries a tokenizer: a tokenizer or a model, as its kind declares
+    (StageDef.output_type), so a new stage kind needs nothing here. A dataset or an unknown name lends none."""
+    from tasks import REGISTRY
+
+    s = stages.get(name)
+    kind = REGISTRY.get(s.kind) if s is not None else None
+    return kind is not None and kind.output_type in ("model", "tokenizer")
 
 
 def _show(v) -> str:
@@ -264,4 +268,4 @@ def _show(v) -> str:
 STAGE = StageDef(kind="tokenize", version="1", config=TokenizeConfig, run=run, output_port=output_port,
                  wants_runtime=True, code=("trainer.tokens", "trainer.chat_templates"), link=link,
                  description="chat or preference shards -> token shards, made once for the sft/dpo/reward stages "
-                 "that read them")
+                 "that read them", output_type="shards")

@@ -164,4 +164,5 @@ def output_port(cfg: TokenizerConfig, inputs: list[Port]) -> Port:
 
 
 STAGE = StageDef(kind="tokenizer", version="1", config=TokenizerConfig, run=run, output_port=output_port,
-                 description="shards -> byte-level BPE tokenizer with a chat template marking assistant turns")
+                 description="shards -> byte-level BPE tokenizer with a chat template marking assistant turns",
+                 output_type="tokenizer")
