@@ -23,13 +23,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer import batching, checkpoint, models, tokens
+from trainer import batching, checkpoint, models
 from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
 from trainer.metrics import peak_memory_mb
-from trainer.reward import (AlignMetricsCallback, count_dropped_pairs, last_logged, preference_dataset,
-                            require_pairs)
+from trainer.reward import AlignMetricsCallback, PairData, last_logged
 from trainer.settings import DpoSettings
 
 log = logging.getLogger(__name__)
@@ -61,21 +60,10 @@ def train(spec: JobSpec) -> dict[str, Any]:
     tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
     tokenizer = models.load_tokenizer(res, tokenizer_dir)
     models.check_max_length(models.load_config(res), s.max_length_tokens, res)
-    conversational = bool(tokenizer.chat_template)
 
-    # 2. data: identical pairs skipped here, prompts that fill max_length dropped by the trainer (counted below);
-    #    or a tokenize stage's rows (skipped and dropped there), streamed from the store (trainer/tokens.py)
-    streamed = spec.token_data is not None
-    if streamed:
-        train_rows, eval_ds, steps = tokens.stream_data(spec, s, tokenizer, "dpo")
-    else:
-        train_pairs = preference_dataset(spec.train_shards, f"stage {spec.stage} train split", conversational,
-                                         s.max_train_records)
-        eval_pairs = (preference_dataset(spec.validation_shards, f"stage {spec.stage} validation split",
-                                         conversational) if s.evaluate and spec.validation_shards else None)
-        require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
-                      f"stage {spec.stage}", "other")
-        eval_ds = eval_pairs.dataset if eval_pairs is not None else None
+    # 2. data: identical pairs skipped here and prompts that fill max_length dropped by the trainer (counted), or
+    #    a tokenize stage's rows (skipped and dropped there) streamed from the store
+    pairs = PairData.load(spec, s, tokenizer, "dpo")
 
     # 3. policy and reference
     ref_model, peft_config = None, None
@@ -97,25 +85,17 @@ def train(spec: JobSpec) -> dict[str, Any]:
     # 4. trainer
     losses = {s.loss_type: 1.0, **({"sft": s.sft_loss_weight} if s.sft_loss_weight else {})}
     targs = training_args(s, work)
-    if streamed:
-        targs["max_steps"] = steps  # a stream has no length: the epochs become steps
+    if pairs.steps:
+        targs["max_steps"] = pairs.steps  # a stream has no length: the epochs become steps
     args = DPOConfig(**targs, beta=s.beta, loss_type=list(losses), loss_weights=list(losses.values()),
                      truncation_mode="keep_start", precompute_ref_log_probs=False)
     ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, DPO_LOG_KEYS)
-    trainer = (tokens.trainer_class(DPOTrainer) if streamed else DPOTrainer)(
-        model=model, ref_model=ref_model, args=args, eval_dataset=eval_ds, processing_class=tokenizer,
-        train_dataset=train_rows.first_rows() if streamed else train_pairs.dataset, peft_config=peft_config,
-        callbacks=[ckpt, metrics])
+    # TRL drops pairs whose prompt alone reaches max_length_tokens (no completion token left), silently
+    trainer, dropped = pairs.trainer(DPOTrainer, s, spec.stage, f"with a prompt of max_length_tokens "
+                                     f"{s.max_length_tokens} or more", model=model, ref_model=ref_model, args=args,
+                                     processing_class=tokenizer, peft_config=peft_config, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
-    if streamed:
-        trainer.train_dataset = train_rows  # the first rows built the trainer; the stream is what trains
-        dropped = sum(spec.token_data["dropped_no_label"].values())  # counted by the tokenize stage
-    else:
-        batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
-        # TRL drops them silently: the prompt alone reaches max_length_tokens, no completion token would be left
-        dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
-                                      f"with a prompt of max_length_tokens {s.max_length_tokens} or more")
     meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
 
     # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
@@ -142,17 +122,9 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "base_model": res.describe,
         "format": info.get("format", ""),
         "reference": REFERENCE[s.method],
-        **(tokens.pair_counts(spec.token_data, train_rows.rows) if streamed else {
-            "train_records": train_pairs.records,
-            "validation_records": eval_pairs.records if eval_pairs is not None else 0,
-            "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs else 0),
-            "train_pairs": len(trainer.train_dataset)}),
+        **pairs.result(trainer, state, s),
         "dropped_prompt_too_long": dropped,
-        "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
-        "token_shards": spec.token_data["artifact"] if streamed else None,
         "steps": state.global_step,
-        "epochs": tokens.epochs_done(state.global_step, s, train_rows.rows) if streamed
-        else round(float(state.epoch or 0), 4),
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
         "train_reward_accuracy_last": last_logged(history, "rewards/accuracies"),

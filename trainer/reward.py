@@ -193,17 +193,70 @@ def heldout_pairwise(trainer) -> tuple[float, float, int]:
     return float(win.mean()), float(margin.mean()), len(margin)
 
 
-def count_dropped_pairs(trainer, train_pairs, eval_ds, stage: str, why: str) -> int:
-    """Pairs TRL's trainer dropped while preparing its datasets (it says nothing): log them, fail when no
-    training pair is left, and drop an emptied validation set. Returns train + validation drops."""
-    dropped_train = len(train_pairs.dataset) - len(trainer.train_dataset)
-    dropped_eval = len(eval_ds) - len(trainer.eval_dataset) if eval_ds is not None else 0
-    if dropped_train or dropped_eval:
-        log.warning("%d train and %d validation pairs are %s and are skipped", dropped_train, dropped_eval, why)
-    require_pairs(train_pairs, len(trainer.train_dataset), f"stage {stage}", why)
-    if eval_ds is not None and len(trainer.eval_dataset) == 0:
-        trainer.eval_dataset = None
-    return dropped_train + dropped_eval
+@dataclass
+class PairData:
+    """A preference stage's (dpo, reward) data, one of two ways:
+    - in memory, from preference records: identical pairs skipped here, and the pairs TRL drops while it prepares
+      them (too long) counted once the trainer is built (`trainer`);
+    - a tokenize stage's rows streamed from the store (trainer/tokens.py), skipped and dropped there.
+    """
+
+    train: Any  # datasets.Dataset of {prompt, chosen, rejected}, or a tokens.TokenRowStream
+    eval: Any  # datasets.Dataset or None
+    steps: int | None  # a stream's optimizer steps (it has no length); None in memory
+    token_data: dict[str, Any] | None
+    train_pairs: Pairs | None = None
+    eval_pairs: Pairs | None = None
+
+    @classmethod
+    def load(cls, spec: JobSpec, s, tokenizer, kind: str) -> PairData:
+        if spec.token_data is not None:
+            train, eval_ds, steps = tokens.stream_data(spec, s, tokenizer, kind)
+            return cls(train, eval_ds, steps, spec.token_data)
+        conversational = bool(tokenizer.chat_template)
+        train_pairs = preference_dataset(spec.train_shards, f"stage {spec.stage} train split", conversational,
+                                         s.max_train_records)
+        eval_pairs = (preference_dataset(spec.validation_shards, f"stage {spec.stage} validation split",
+                                         conversational) if s.evaluate and spec.validation_shards else None)
+        require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
+                      f"stage {spec.stage}", "other")
+        return cls(train_pairs.dataset, eval_pairs.dataset if eval_pairs is not None else None, None, None,
+                   train_pairs, eval_pairs)
+
+    @property
+    def streamed(self) -> bool:
+        return self.token_data is not None
+
+    def trainer(self, base, s, stage: str, why: str, **kwargs):
+        """(`base` built on this data, pairs dropped): in memory, micro-batches grouped by length and the pairs TRL
+        dropped `why` counted (it says nothing): logged, a failure when no training pair is left, an emptied
+        validation set dropped; streamed, the tokenize stage's count."""
+        trainer = tokens.build_trainer(base, self.train, self.streamed, eval_dataset=self.eval, **kwargs)
+        if self.streamed:
+            return trainer, sum(self.token_data["dropped_no_label"].values())
+        batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
+        dropped_train = len(self.train) - len(trainer.train_dataset)
+        dropped_eval = len(self.eval) - len(trainer.eval_dataset) if self.eval is not None else 0
+        if dropped_train or dropped_eval:
+            log.warning("%d train and %d validation pairs are %s and are skipped", dropped_train, dropped_eval, why)
+        require_pairs(self.train_pairs, len(trainer.train_dataset), f"stage {stage}", why)
+        if self.eval is not None and len(trainer.eval_dataset) == 0:
+            trainer.eval_dataset = None
+        return trainer, dropped_train + dropped_eval
+
+    def result(self, trainer, state, s) -> dict[str, Any]:
+        """The record and pair counts, the token shards streamed and the epochs done, for the stage's result."""
+        if self.streamed:
+            counts = tokens.pair_counts(self.token_data, self.train.rows)
+            epochs = tokens.epochs_done(state.global_step, s, self.train.rows)
+        else:
+            tp, ep = self.train_pairs, self.eval_pairs
+            counts = {"train_records": tp.records, "validation_records": ep.records if ep is not None else 0,
+                      "skipped_identical_pairs": tp.identical + (ep.identical if ep is not None else 0),
+                      "train_pairs": len(trainer.train_dataset)}
+            epochs = round(float(state.epoch or 0), 4)
+        return {**counts, "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
+                "token_shards": self.token_data["artifact"] if self.streamed else None, "epochs": epochs}
 
 
 def load_reward_model(folder: Path):
@@ -231,52 +284,35 @@ def train(spec: JobSpec) -> dict[str, Any]:
     tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
     tokenizer = models.load_tokenizer(res, tokenizer_dir)
     models.check_max_length(models.load_config(res), s.max_length_tokens, res)
-    conversational = bool(tokenizer.chat_template)
 
-    # 2. data: identical pairs skipped here, too-long pairs dropped by the trainer (counted below)
-    streamed = spec.token_data is not None
-    if streamed:  # a tokenize stage's rows (pairs skipped and dropped there), streamed from the store
-        train_rows, eval_ds, steps = tokens.stream_data(spec, s, tokenizer, "reward")
-    else:
-        train_pairs = preference_dataset(spec.train_shards, f"stage {spec.stage} train split", conversational,
-                                         s.max_train_records)
-        eval_pairs = (preference_dataset(spec.validation_shards, f"stage {spec.stage} validation split",
-                                         conversational) if s.evaluate and spec.validation_shards else None)
-        require_pairs(train_pairs, len(train_pairs.dataset) if train_pairs.dataset is not None else 0,
-                      f"stage {spec.stage}", "other")
-        eval_ds = eval_pairs.dataset if eval_pairs is not None else None
+    # 2. data: identical pairs skipped here and too-long ones dropped by the trainer (counted), or a tokenize
+    #    stage's rows streamed from the store
+    pairs = PairData.load(spec, s, tokenizer, "reward")
 
     # 3. model
     model = load_for_reward_training(res, tokenizer, s, work)
 
     # 4. trainer
     targs = training_args(s, work)
-    if streamed:
-        targs["max_steps"] = steps  # a stream has no length: the epochs become steps
+    if pairs.steps:
+        targs["max_steps"] = pairs.steps  # a stream has no length: the epochs become steps
     args = RewardConfig(**targs, center_rewards_coefficient=s.center_rewards_coefficient)
     ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, REWARD_LOG_KEYS)
-    trainer = (tokens.trainer_class(RewardTrainer) if streamed else RewardTrainer)(
-        model=model, args=args, train_dataset=train_rows.first_rows() if streamed else train_pairs.dataset,
-        eval_dataset=eval_ds, processing_class=tokenizer, callbacks=[ckpt, metrics])
+    # TRL drops pairs whose prompt + chosen or prompt + rejected is longer than max_length_tokens, silently
+    trainer, dropped = pairs.trainer(RewardTrainer, s, spec.stage, f"longer than max_length_tokens "
+                                     f"{s.max_length_tokens}", model=model, args=args, processing_class=tokenizer,
+                                     callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
-    if streamed:
-        trainer.train_dataset = train_rows  # the first rows built the trainer; the stream is what trains
-        dropped = sum(spec.token_data["dropped_no_label"].values())  # counted by the tokenize stage
-    else:
-        batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
-        # TRL drops them silently: prompt + chosen or prompt + rejected longer than max_length_tokens
-        dropped = count_dropped_pairs(trainer, train_pairs, eval_ds, spec.stage,
-                                      f"longer than max_length_tokens {s.max_length_tokens}")
     meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
 
     # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
     state = checkpoint.train_resumable(trainer, spec, ckpt)
     ev = trainer.evaluate() if trainer.eval_dataset is not None else {}
     if trainer.eval_dataset is not None:
-        ev["eval_accuracy"], ev["eval_margin"], pairs = heldout_pairwise(trainer)
+        ev["eval_accuracy"], ev["eval_margin"], scored = heldout_pairwise(trainer)
         log.info("held-out: pairwise accuracy %.4f, mean margin %.4f over %d pairs", ev["eval_accuracy"],
-                 ev["eval_margin"], pairs)
+                 ev["eval_margin"], scored)
         if state.is_world_process_zero:
             metrics._send({"eval/reward_accuracy": ev["eval_accuracy"], "eval/margin": ev["eval_margin"]},
                           state.global_step)
@@ -300,17 +336,9 @@ def train(spec: JobSpec) -> dict[str, Any]:
     return {
         "method": s.method,
         "base_model": res.describe,
-        **(tokens.pair_counts(spec.token_data, train_rows.rows) if streamed else {
-            "train_records": train_pairs.records,
-            "validation_records": eval_pairs.records if eval_pairs is not None else 0,
-            "skipped_identical_pairs": train_pairs.identical + (eval_pairs.identical if eval_pairs else 0),
-            "train_pairs": len(trainer.train_dataset)}),
+        **pairs.result(trainer, state, s),
         "dropped_too_long": dropped,
-        "validation_pairs": len(trainer.eval_dataset) if trainer.eval_dataset is not None else 0,
-        "token_shards": spec.token_data["artifact"] if streamed else None,
         "steps": state.global_step,
-        "epochs": tokens.epochs_done(state.global_step, s, train_rows.rows) if streamed
-        else round(float(state.epoch or 0), 4),
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
         "train_reward_accuracy_last": last_logged(history, "accuracy"),

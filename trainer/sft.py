@@ -59,13 +59,10 @@ def train(spec: JobSpec) -> dict[str, Any]:
                      assistant_only_loss=s.assistant_only_loss and not streamed)  # token rows carry their labels
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
-    trainer_class = tokens.trainer_class(SFTTrainer) if streamed else SFTTrainer
-    trainer = trainer_class(model=model, args=args, eval_dataset=eval_ds, processing_class=tokenizer,
-                            train_dataset=train_ds.first_rows() if streamed else train_ds, callbacks=[ckpt, metrics])
+    trainer = tokens.build_trainer(SFTTrainer, train_ds, streamed, model=model, args=args, eval_dataset=eval_ds,
+                                   processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
-    if streamed:
-        trainer.train_dataset = train_ds  # TRL prepared a few rows to check them; the stream is what trains
-    else:
+    if not streamed:
         batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
     meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
     if streamed:
