@@ -364,19 +364,29 @@ def _kill_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str)
     return checkpoint.latest_complete(uri)[0], errors
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo"])
+@pytest.mark.parametrize("kind", ["reward", "dpo", "dpo_streamed"])
 def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(root, kinds_module, kind):
+    """dpo_streamed: dpo on a tokenize stage's rows, streamed from the store, killed and resumed the same way (that
+    the resumed stream skips exactly what the checkpoint consumed is tests/test_tokenize.py's bit-for-bit sft
+    test: the same TokenRowStream)."""
     from trainer.errors import TrainingError
 
     make = reward if kind == "reward" else dpo
     stage = make(method="lora", max_steps=40, checkpoint_every_steps=2, keep_checkpoints=2, evaluate=False,
                  lora={"rank": 4, "target_modules": ["q_proj", "v_proj"]})
-    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"resume": stage}, "resume")
+    stages = {"resume": stage}
+    if kind == "dpo_streamed":
+        stages = {"tok": {"kind": "tokenize", "inputs": ["shard_pairs", "sft"], "retries": 0},
+                  "resume": {**stage, "inputs": ["tok", "sft"]}}
+        run_stages(root, kinds_module, stages, ["tok"])
+    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, stages, "resume")
     assert killed_at % 2 == 0 and 2 <= killed_at < 40
     assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
-    plan, out = run_stages(root, kinds_module, {"resume": stage}, ["resume"])
+    plan, out = run_stages(root, kinds_module, stages, ["resume"])
     assert out["resume"]["status"] == "ran"
     r = artifact(plan, "resume").result
     assert (r["resumed_from_step"], r["steps"]) == (killed_at, 40)
     assert r["checkpoints_uploaded"] == list(range(killed_at + 2, 40, 2))
     assert r["train_loss_last"] < r["train_loss_first"]  # the loss history spans both attempts
+    if kind == "dpo_streamed":
+        assert r["token_shards"] == f"tokenize/{artifact(plan, 'tok').id}"

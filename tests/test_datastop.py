@@ -1,4 +1,4 @@
-"""A stop request reaches the data stages: SIGTERM to `lmforge run` while dedup's process pool works stops the stage
+"""A stop request reaches the data stages: Ctrl-C (SIGINT) to `lmforge run` while dedup's process pool works stops the stage
 between its tasks, ends the pool's workers, publishes nothing, and the run exits 3 leaving no process behind; the
 rerun builds the same artifact and keeps the stages that had finished. Below that: each data stage, asked to stop
 mid-loop, raises `Interrupted` at its next check; `lmforge.parallel`, asked while a pool maps, raises at once and ends
@@ -161,7 +161,7 @@ def test_a_data_stage_stops_between_its_units_of_work(upstream, kinds, monkeypat
 
 
 # ---------------------------------------------------------------------------------------------
-# SIGTERM to `lmforge run` while dedup runs
+# Ctrl-C (SIGINT) to `lmforge run` while dedup runs
 
 DOCS, DUPLICATE_EVERY = 30_000, 50
 
@@ -192,7 +192,7 @@ def _pool_workers(family: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def test_sigterm_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing_and_the_rerun_goes_on(tmp_path):
+def test_ctrl_c_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing_and_the_rerun_goes_on(tmp_path):
     cfg = basic_config(tmp_path, max_count=10_000)  # one shard per split
     write_jsonl(tmp_path / "data" / "text.jsonl", _docs())
     cfg["stages"]["dedup"] = {"kind": "dedup", "inputs": ["ingest"], "workers": 2, "partition_records": 200,
@@ -220,7 +220,7 @@ def test_sigterm_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing
     staged = [Path(p).name for p in store.fs.ls(staging)]
     dedup_id = next(n for n in staged if n.startswith("dedup-")).split("-")[1]
 
-    os.kill(proc.pid, signal.SIGTERM)  # the CLI itself
+    os.kill(proc.pid, signal.SIGINT)  # the CLI itself: Ctrl-C (SIGTERM is tests/test_signals.py's)
     sent = time.monotonic()
     rc = proc.wait(timeout=120)
     exited = time.monotonic() - sent
@@ -228,12 +228,12 @@ def test_sigterm_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing
     assert rc == 3, out[-3000:]
     gone, alive = psutil.wait_procs(family, timeout=10)
     assert alive == [], [(p.pid, p.cmdline()) for p in alive]  # no pool worker, fork server or Prefect server
-    assert "SIGTERM: stopping." in out
-    assert "dedup map: stopped by SIGTERM before it finished; rerun the same command to go on" in out, out[-3000:]
+    assert "SIGINT: stopping." in out
+    assert "dedup map: stopped by SIGINT before it finished; rerun the same command to go on" in out, out[-3000:]
     assert "stopped 2 worker process(es) of the process pool" in out
-    assert ("Finished in state Failed('Task run encountered an exception Interrupted: dedup map: stopped by SIGTERM"
+    assert ("Finished in state Failed('Task run encountered an exception Interrupted: dedup map: stopped by SIGINT"
             in out)  # the stage's Prefect task run
-    assert "stopped by SIGTERM; stages not finished: dedup, shard." in out
+    assert "stopped by SIGINT; stages not finished: dedup, shard." in out
     assert out.count("stage dedup: running") == 1  # an interrupted stage is not retried (retries: 1)
     assert not re.search(r"dedup map \(process pool, 2 workers\): \d+ tasks done", out)  # stopped mid-map
     assert exited < 60, exited  # the stage stops within a poll; the rest is Prefect and MLflow shutting down
@@ -244,7 +244,7 @@ def test_sigterm_to_lmforge_run_stops_dedup_between_tasks_exits_3_leaves_nothing
     runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
     dedup_runs = [r for r in runs if r.data.tags.get("lmforge.stage") == "dedup"]
     assert [r.info.status for r in dedup_runs] == ["FAILED"]
-    assert dedup_runs[0].data.tags["lmforge.error"].startswith("Interrupted: dedup map: stopped by SIGTERM")
+    assert dedup_runs[0].data.tags["lmforge.error"].startswith("Interrupted: dedup map: stopped by SIGINT")
     assert all(r.info.status != "RUNNING" for r in runs)
 
     rerun = _cli(path, log, "--json", str(tmp_path / "summary.json"))

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from lmforge.config import parse_config
 from lmforge.errors import ConfigError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
+from lmforge.store import ArtifactStore
+from tests.conftest import REPO, write_jsonl
 from tests.test_trainer import SFT_FAST, TINY_LLAMA, _kill_after_first_checkpoint, artifact, chat_rows, pipeline
 
 TOK = {"kind": "tokenize", "inputs": ["shard", "tokenizer"], "retries": 0}
@@ -67,28 +72,33 @@ def test_token_rows_are_what_trl_prepares(root, kinds_module):
     assert any(-100 in lab for _, lab in ours) and all(any(x != -100 for x in lab) for _, lab in ours)
 
 
-def test_sfts_with_other_learning_rates_reuse_the_token_shards(root, kinds_module):
-    """Two sft stages that differ only in learning rate read one tokenize artifact: made once, then planned as
-    cached; each sft streams it (its result names it) and trains."""
-    stages = {"tokens": TOK, "sft_a": {**sft(learning_rate=3e-3, max_steps=6)}}
-    plan, out = run(root, kinds_module, stages, ["tokens", "sft_a"])
-    made = artifact(plan, "tokens")
-    stages["sft_b"] = sft(learning_rate=1e-3, max_steps=6)
-    plan2 = make_plan(parse_config(pipeline(root, stages), kinds_module, root=root), kinds_module)
-    assert plan2.stages["tokens"].artifact_id == made.id and plan2.stages["tokens"].action == "cached"
-    assert plan2.stages["sft_b"].action == "run"
-    ctx = RunContext(plan=plan2, kinds=kinds_module)
-    assert execute_stage(ctx, "tokens")["status"] == "cached"  # not tokenized again
-    assert execute_stage(ctx, "sft_b")["status"] == "ran"
-    token_artifacts = [p for p in Path(plan.store.root, "tokenize").iterdir() if (p / "manifest.json").exists()]
-    assert [p.name for p in token_artifacts] == [made.id]  # one tokenize artifact for both runs
-    for name, p in (("sft_a", plan), ("sft_b", plan2)):
-        r = artifact(p, name).result
-        assert r["token_shards"] == f"tokenize/{made.id}"
-        assert r["steps"] == 6 and r["train_rows"] == made.result["train_rows"]
+def test_two_lmforge_runs_with_other_learning_rates_reuse_the_token_shards(root, kinds_module):
+    """`lmforge run`, then the same command with another learning rate (-o): the second run reports the tokenize
+    stage cached (its id depends on the data, tokenizer and row settings, not on the learning rate) and trains a new
+    sft that streams the same token shards (its result names them)."""
+    stages = {"tokens": TOK, "sft": sft(learning_rate=3e-3, max_steps=6, max_length_tokens=48)}  # 48: its own rows
+    cfg = root / "reuse.yaml"
+    cfg.write_text(yaml.safe_dump(pipeline(root, stages), sort_keys=False))
+    summaries = []
+    for i, extra in enumerate(([], ["-o", "stages.sft.learning_rate=0.001"])):
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg), *extra, "--json",
+                              str(root / f"reuse{i}.json")], cwd=root, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        summaries.append(json.loads((root / f"reuse{i}.json").read_text())["stages"])
+    first, second = summaries
+    assert (first["tokens"]["status"], first["sft"]["status"]) == ("ran", "ran")
+    assert (second["tokens"]["status"], second["sft"]["status"]) == ("cached", "ran")  # not tokenized again
+    made = second["tokens"]["artifact_id"]
+    assert first["tokens"]["artifact_id"] == made and first["sft"]["artifact_id"] != second["sft"]["artifact_id"]
+    store = ArtifactStore(str(root / "artifacts"))
+    rows = store.require("tokenize", made).result["train_rows"]
+    for s in summaries:
+        r = store.require("sft", s["sft"]["artifact_id"]).result
+        assert r["token_shards"] == f"tokenize/{made}"
+        assert r["steps"] == 6 and r["train_rows"] == rows
         assert r["eval_loss"] is not None and r["train_loss_last"] < r["train_loss_first"]
         assert r["padding_fraction"] is not None
-    assert artifact(plan, "sft_a").id != artifact(plan2, "sft_b").id
 
 
 def test_streamed_epochs_become_steps(root, kinds_module):

@@ -329,36 +329,7 @@ def _kill_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str,
     return checkpoint.latest_complete(uri)[0], errors
 
 
-def test_sigkill_then_rerun_resumes_from_the_last_uploaded_checkpoint(root, kinds_module):
-    from trainer import checkpoint
-    from trainer.errors import TrainingError
-
-    # 60 steps of ~20 ms: the kill lands seconds before the end, well after the first upload
-    stage = sft(method="full", max_steps=60, checkpoint_every_steps=2, keep_checkpoints=2, evaluate=False)
-    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"resume": stage}, "resume")
-    plan = make_plan(parse_config(pipeline(root, {"resume": stage}), kinds_module, root=root), kinds_module)
-    ckpt_uri = plan.store.checkpoint_uri("sft", plan.stages["resume"].artifact_id)
-    assert killed_at % 2 == 0 and 2 <= killed_at < 60
-    assert len(errors) == 1 and isinstance(errors[0], TrainingError)
-    assert "the training process failed (killed by SIGKILL (often the out-of-memory killer" in str(errors[0])
-    assert str(errors[0]).endswith(f"Completed checkpoints in {ckpt_uri} are kept; rerun the stage to resume.")
-    assert plan.store.get("sft", plan.stages["resume"].artifact_id) is None  # no manifest: not finished
-
-    _, out = run_stages(root, kinds_module, {"resume": stage}, ["resume"])
-    assert out["resume"]["status"] == "ran"
-    art = artifact(plan, "resume")
-    r = art.result
-    assert (r["resumed_from_step"], r["steps"]) == (killed_at, 60)
-    assert r["checkpoints_uploaded"] == list(range(killed_at + 2, 60, 2))  # only steps after the resume point
-    art.verify()  # every file matches its manifest
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(art.files)
-    assert r["train_loss_last"] < r["train_loss_first"] - 1.0  # the loss history spans both attempts
-    # the store keeps the newest two complete checkpoints and nothing half-written
-    assert [(s, c) for s, _, c in checkpoint.list_checkpoints(ckpt_uri)] == [(56, True), (58, True)]
-
-
 def test_sigterm_checkpoints_at_the_end_of_the_step_and_stops(root, kinds_module):
-    from trainer import checkpoint
     from trainer.errors import Preempted
 
     stage = sft(method="lora", max_steps=200, checkpoint_every_steps=3, evaluate=False)
@@ -372,16 +343,40 @@ def test_sigterm_checkpoints_at_the_end_of_the_step_and_stops(root, kinds_module
     assert plan.store.get("sft", plan.stages["preempt"].artifact_id) is None
 
 
-def test_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one(root, kinds_module, tmp_path):
-    """Model, optimizer, scheduler, RNG and data position all come back: the weights match bit for bit."""
+def test_sigkill_then_rerun_resumes_and_ends_with_the_same_weights_as_an_uninterrupted_run(root, kinds_module,
+                                                                                          tmp_path):
+    """SIGKILL to the training process after its first uploaded checkpoint: the stage fails with a clear error,
+    publishes nothing and keeps its complete checkpoints; the rerun resumes from the newest one (model, optimizer,
+    scheduler, RNG and data position all come back) and its weights equal an uninterrupted run's, bit for bit."""
     import torch
     from safetensors.torch import load_file
 
-    stage = sft(method="full", max_steps=60, checkpoint_every_steps=2, evaluate=False, seed=1)
-    killed_at, _ = _kill_after_first_checkpoint(root, kinds_module, {"resume": stage}, "resume")
-    plan, _ = run_stages(root, kinds_module, {"resume": stage}, ["resume"])
+    from trainer import checkpoint
+    from trainer.errors import TrainingError
+
+    # 60 steps of ~20 ms: the kill lands seconds before the end, well after the first upload
+    stage = sft(method="full", max_steps=60, checkpoint_every_steps=2, keep_checkpoints=2, evaluate=False, seed=1)
+    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"resume": stage}, "resume")
+    plan = make_plan(parse_config(pipeline(root, {"resume": stage}), kinds_module, root=root), kinds_module)
+    ckpt_uri = plan.store.checkpoint_uri("sft", plan.stages["resume"].artifact_id)
+    assert killed_at % 2 == 0 and 2 <= killed_at < 60
+    assert len(errors) == 1 and isinstance(errors[0], TrainingError)
+    assert "the training process failed (killed by SIGKILL (often the out-of-memory killer" in str(errors[0])
+    assert str(errors[0]).endswith(f"Completed checkpoints in {ckpt_uri} are kept; rerun the stage to resume.")
+    assert plan.store.get("sft", plan.stages["resume"].artifact_id) is None  # no manifest: not finished
+
+    _, out = run_stages(root, kinds_module, {"resume": stage}, ["resume"])
+    assert out["resume"]["status"] == "ran"
     resumed = artifact(plan, "resume")
-    assert resumed.result["resumed_from_step"] == killed_at > 0
+    r = resumed.result
+    assert (r["resumed_from_step"], r["steps"]) == (killed_at, 60)
+    assert r["checkpoints_uploaded"] == list(range(killed_at + 2, 60, 2))  # only steps after the resume point
+    resumed.verify()  # every file matches its manifest
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(resumed.files)
+    assert r["train_loss_last"] < r["train_loss_first"] - 1.0  # the loss history spans both attempts
+    # the store keeps the newest two complete checkpoints and nothing half-written
+    assert [(s, c) for s, _, c in checkpoint.list_checkpoints(ckpt_uri)] == [(56, True), (58, True)]
+
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(200))  # a second store, same data
     plan2, _ = run_stages(tmp_path, kinds_module, {"resume": {**stage, "checkpoint_every_steps": None}},
                           ["ingest", "shard", "tokenizer", "resume"])
