@@ -139,16 +139,28 @@ def _wait_flow_run(api: str, flow_run_id: str, timeout: float = 300) -> dict:
     raise AssertionError(f"flow run {flow_run_id} did not finish in {timeout} s: {fr['state_type']}")
 
 
-def _log_counts(api: str, flow_run_id: str) -> dict[str, list[str]]:
-    """{stage: ["running" | "cached", ...]} from the flow run's lmforge log lines in the Prefect API, in order."""
-    logs = _post(f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
-                                        "sort": "TIMESTAMP_ASC"})
-    out: dict[str, list[str]] = {}
-    for line in logs:
-        m = re.match(r"stage (\w+): (running|cached) ", line["message"])
-        if m:
-            out.setdefault(m.group(1), []).append(m.group(2))
-    return out
+def _log_counts(api: str, flow_run_id: str, *, until=lambda counts: True, timeout: float = 60) -> dict[str, list[str]]:
+    """{stage: ["running" | "cached", ...]} from the flow run's lmforge log lines in the Prefect API, in order, all
+    pages of them. The flow run's process ships its logs in batches and can set the final state before the last batch
+    lands, so this polls until `until(counts)` holds (or `timeout` passes; the caller's assertions then say what is
+    missing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out: dict[str, list[str]] = {}
+        offset = 0
+        while True:
+            page = _post(f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
+                                                "offset": offset, "sort": "TIMESTAMP_ASC"})
+            for line in page:
+                m = re.match(r"stage (\w+): (running|cached) ", line["message"])
+                if m:
+                    out.setdefault(m.group(1), []).append(m.group(2))
+            if len(page) < 200:
+                break
+            offset += len(page)
+        if until(out) or time.monotonic() > deadline:
+            return out
+        time.sleep(1)
 
 
 def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
@@ -184,7 +196,7 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", trig.stdout).group(1)
     fr = _wait_flow_run(api, flow_run_id, timeout=600)
     assert fr["state_type"] == "FAILED", fr["state"]  # ingest_pairs: the bad row
-    first = _log_counts(api, flow_run_id)
+    first = _log_counts(api, flow_run_id, until=lambda c: all(n in c for n in ("ingest_pairs", "eval")))
     assert first["ingest_pairs"] == ["running"] and "shard_pairs" not in first
     assert all(first[n] == ["running"] for n in ("ingest", "shard", "tokenizer", "sft", "eval"))
 
@@ -203,8 +215,8 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     time.sleep(2)
     fr = _wait_flow_run(api, flow_run_id, timeout=600)
     assert fr["state_type"] == "COMPLETED", fr["state"]
-    both = _log_counts(api, flow_run_id)  # the flow run's logs over both attempts
-    assert both["ingest_pairs"] == ["running", "running"] and both["shard_pairs"] == ["running"]
+    both = _log_counts(api, flow_run_id, until=lambda c: "shard_pairs" in c and len(c.get("eval", [])) == 2)
+    assert both["ingest_pairs"] == ["running", "running"] and both.get("shard_pairs") == ["running"], both
     assert all(both[n] == ["running", "cached"] for n in ("ingest", "shard", "tokenizer", "sft", "eval")), both
     assert aliases() == {"candidate": aliases()["candidate"], "champion": aliases()["candidate"]}
 
