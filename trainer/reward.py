@@ -231,7 +231,7 @@ class PairData:
         """(`base` built on this data, pairs dropped): in memory, micro-batches grouped by length and the pairs TRL
         dropped `why` counted (it says nothing): logged, a failure when no training pair is left, an emptied
         validation set dropped; streamed, the tokenize stage's count."""
-        trainer = tokens.build_trainer(base, self.train, self.streamed, eval_dataset=self.eval, **kwargs)
+        trainer = tokens.build_trainer(base, self.train, eval_dataset=self.eval, **kwargs)
         if self.streamed:
             return trainer, sum(self.token_data["dropped_no_label"].values())
         batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding

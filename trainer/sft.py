@@ -59,7 +59,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
                      assistant_only_loss=s.assistant_only_loss and not streamed)  # token rows carry their labels
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
-    trainer = tokens.build_trainer(SFTTrainer, train_ds, streamed, model=model, args=args, eval_dataset=eval_ds,
+    trainer = tokens.build_trainer(SFTTrainer, train_ds, model=model, args=args, eval_dataset=eval_ds,
                                    processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
     if not streamed:

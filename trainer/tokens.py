@@ -315,11 +315,11 @@ def epochs_done(steps: int, s, rows: int) -> float:
     return round(steps * s.grad_accumulation_steps * s.batch_size_per_device * job.world_size() / max(rows, 1), 4)
 
 
-def build_trainer(base, train, streamed: bool, **kwargs):
-    """`base` (a TRL trainer class) on `train`: a data set, or a TokenRowStream when `streamed`. A stream has no
-    length, and TRL checks and prepares its data set while it builds the trainer: it is built on the stream's first
-    rows, then the stream is set as what trains."""
-    if not streamed:
+def build_trainer(base, train, **kwargs):
+    """`base` (a TRL trainer class) on `train`: a data set, or a TokenRowStream. A stream has no length, and TRL
+    checks and prepares its data set while it builds the trainer: it is built on the stream's first rows, then the
+    stream is set as what trains."""
+    if not isinstance(train, TokenRowStream):
         return base(train_dataset=train, **kwargs)
     trainer = trainer_class(base)(train_dataset=train.first_rows(), **kwargs)
     trainer.train_dataset = train
