@@ -44,6 +44,8 @@ class TokenizerConfig(StageConfig):
         None, description="Jinja chat template; it must wrap assistant output in {% generation %}..."
         "{% endgeneration %}. Default: ChatML built from turn_start_token and turn_end_token.")
     max_records: int | None = Field(None, gt=0, description="Train on at most this many records.")
+    split_digits: bool = Field(False, description="Every digit its own token, as Llama and SmolLM2 do: 27 is '2' "
+                               "'7', never a merged '27', so a model can learn arithmetic digit by digit.")
 
     @field_validator("chat_template")
     @classmethod
@@ -114,7 +116,9 @@ def run(cfg: TokenizerConfig, inputs: list[Artifact], out: Path) -> TokenizerRes
                     yield text
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), level])
+                         if cfg.split_digits else level)
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)  # offsets map tokens back to characters
     bpe.train_from_iterator(corpus(), trainers.BpeTrainer(

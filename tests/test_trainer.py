@@ -115,6 +115,31 @@ def test_tokenizer_reloads_and_its_template_marks_assistant_turns(root, kinds_mo
     assert sha256_file(tmp_path / "tokenizer.json") == art.files["tokenizer.json"]["sha256"]
 
 
+def test_split_digits_gives_every_digit_its_own_token(root, kinds_module, tmp_path):
+    """Without it BPE merges frequent numbers ("12" one token); with it no token holds two digits, and the text
+    round-trips."""
+    from transformers import AutoTokenizer
+
+    from tasks import tokenizer as tokenizer_stage
+    from tasks.tokenizer import TokenizerConfig
+
+    plan, _ = run_stages(root, kinds_module, {}, ["shard"])
+    shard = artifact(plan, "shard")
+    vocab = {}
+    for split in (False, True):
+        out = tmp_path / str(split)
+        out.mkdir()
+        cfg = TokenizerConfig(kind="tokenizer", inputs=["shard"], vocab_size=300, min_frequency=1, split_digits=split)
+        tokenizer_stage.run(cfg, [shard], out)
+        tok = AutoTokenizer.from_pretrained(out)
+        vocab[split] = [t for t in tok.get_vocab() if sum(c.isdigit() for c in t) > 1]
+        text = "What is 27 plus 15?\n27 plus 15 equals 42."
+        assert tok.decode(tok(text)["input_ids"]) == text
+        if split:
+            assert [t for t in tok.tokenize("27 plus 15") if any(c.isdigit() for c in t)] == ["2", "7", "1", "5"]
+    assert vocab[False] and not vocab[True]  # the corpus' sums merge into number tokens unless split
+
+
 # ----------------------------------------------------------------------------------------------
 # sft
 
