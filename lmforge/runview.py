@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 NAME_MAX_CHARS = 90  # MLflow's run list shows about this much
 VALUE_MAX_CHARS = 24
 #: Direction of a metric by its name, where the eval result does not say: True when higher is better.
-LOWER_IS_BETTER = re.compile(r"(perplexity|loss|bits_per_byte|_seconds$|gates_failed$|_stderr$)")
+LOWER_IS_BETTER = re.compile(r"(perplexity|loss|bits_per_byte|_seconds$|gates_failed$|expectations_failed$|_stderr$)")
 HIGHER_IS_BETTER = re.compile(r"(acc|accuracy|exact_match|f1|bleu|rouge|reward_margin|gates_passed$)")
 
 
@@ -128,12 +128,12 @@ def summary_metrics(plan: Plan, stages: dict[str, dict[str, Any]], wall_seconds:
     """(`summary/*` metrics, their directions). Read from the artifacts in the store, so a cached run has exactly the
     keys (and values) of the run that made them: `summary/<model>/<task>/<metric>` (with `_stderr`) of the eval table
     (`summary/<eval stage>/...` when there are several eval stages), `summary/gates_passed`, `summary/gates_failed`,
-    `summary/tokens_trained/<stage>` of each training stage whose result counts tokens, `summary/wall_seconds`."""
+    `summary/expectations_failed`, `summary/tokens_trained/<stage>` of each training stage whose result counts tokens, `summary/wall_seconds`."""
     metrics: dict[str, float] = {"summary/wall_seconds": round(wall_seconds, 3)}
     dirs: dict[str, bool] = {}
     evals = [n for n, sp in plan.stages.items() if sp.kind == "eval"]
     if evals:
-        metrics.update({"summary/gates_passed": 0.0, "summary/gates_failed": 0.0})
+        metrics.update({"summary/gates_passed": 0.0, "summary/gates_failed": 0.0, "summary/expectations_failed": 0.0})
     for name in evals:
         art = _artifact(plan, name)
         if art is None:
@@ -150,13 +150,15 @@ def summary_metrics(plan: Plan, stages: dict[str, dict[str, Any]], wall_seconds:
         gates = result.get("gates", [])
         metrics["summary/gates_passed"] += sum(1 for g in gates if g.get("passed"))
         metrics["summary/gates_failed"] += sum(1 for g in gates if not g.get("passed"))
+        metrics["summary/expectations_failed"] += float(result.get("expectations_failed", 0))
     for name, sp in plan.stages.items():
         if sp.port is not None and sp.port.type == "model" and stages.get(name, {}).get("status") != "failed":
             art = _artifact(plan, name)
             tokens = (art.result or {}).get("tokens") if art is not None else None
             if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
                 metrics[f"summary/tokens_trained/{name}"] = float(tokens)
-    dirs.update({"summary/gates_passed": True, "summary/gates_failed": False, "summary/wall_seconds": False})
+    dirs.update({"summary/gates_passed": True, "summary/gates_failed": False, "summary/expectations_failed": False,
+                 "summary/wall_seconds": False})
     return metrics, dirs
 
 

@@ -134,16 +134,57 @@ class PreferenceEval(BaseModel):
 
 
 class Gate(BaseModel):
+    """Compares one metric of one model with another model's. Either the model must beat `against`
+    (`min_improvement`: better by more than that plus stderr_k stderrs), or it must not fall behind it
+    (`max_regression`: worse by at most that plus stderr_k stderrs)."""
+
     model_config = ConfigDict(extra="forbid")
 
     metric: str = Field(pattern=r"^[^/\s]+/[^/]+/[^/]+$", description="<model>/<task>/<metric>, e.g. "
                         "sft/local_ppl/bits_per_byte.")
     against: str = Field(description="The model whose same task/metric is the reference value, e.g. base.")
-    max_regression: float = Field(ge=0, description="Largest allowed change for the worse, in the metric's units.")
-    stderr_k: float = Field(2.0, ge=0, description="The limit widens by stderr_k x the stderr of the difference, "
-                            "sqrt(se_model^2 + se_against^2), where lm-eval reports stderrs.")
+    min_improvement: float | None = Field(None, ge=0, description="Must beat: the model must be better than "
+                                          "`against` by more than this plus stderr_k x stderr, in the metric's units "
+                                          "(0: by more than stderr_k stderrs). For a stage that claims to improve "
+                                          "the model.")
+    max_regression: float | None = Field(None, ge=0, description="Must not regress: the model may be worse than "
+                                         "`against` by at most this plus stderr_k x stderr, in the metric's units.")
+    stderr_k: float = Field(2.0, ge=0, description="Stderrs of the difference, sqrt(se_model^2 + se_against^2) where "
+                            "lm-eval reports stderrs, added to the bar: a must-beat gate asks for more, a "
+                            "must-not-regress gate allows more.")
     higher_is_better: bool | None = Field(None, description="Direction; default from lm-eval's results or lmforge's "
                                           "own metrics (perplexity, bits_per_byte: lower; accuracy: higher).")
+
+    @model_validator(mode="after")
+    def _one_bar(self) -> "Gate":
+        if (self.min_improvement is None) == (self.max_regression is None):
+            raise ValueError(f"gate {self.metric}: set exactly one of min_improvement (must beat {self.against}) and "
+                             f"max_regression (must not fall behind {self.against} by more than that)")
+        return self
+
+
+class Expectation(BaseModel):
+    """The band a metric is expected to land in: a result outside it is a failed expectation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str = Field(pattern=r"^[^/\s]+/[^/]+/[^/]+$", description="<model>/<task>/<metric>, e.g. "
+                        "dpo/lmforge_arith_gen/exact_match.")
+    min: float | None = Field(None, description="Lowest expected value (inclusive); null: no lower bound.")
+    max: float | None = Field(None, description="Highest expected value (inclusive); null: no upper bound.")
+
+    @model_validator(mode="after")
+    def _a_band(self) -> "Expectation":
+        if self.min is None and self.max is None:
+            raise ValueError(f"expect {self.metric}: set min, max or both")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"expect {self.metric}: min {self.min:g} is above max {self.max:g}")
+        return self
+
+    def band(self) -> str:
+        lo = "-inf" if self.min is None else f"{self.min:g}"
+        hi = "inf" if self.max is None else f"{self.max:g}"
+        return f"[{lo}, {hi}]"
 
 
 class EvalConfig(StageConfig):
@@ -173,7 +214,13 @@ class EvalConfig(StageConfig):
     control_prompts: list[str] = Field(default_factory=list, description="Fixed prompts every model completes "
                                        "greedily, shown side by side.")
     max_new_tokens: int = Field(32, gt=0, description="Tokens per control generation.")
-    gates: list[Gate] = Field(default_factory=list, description="Regression checks that fail the stage.")
+    gates: list[Gate] = Field(default_factory=list, description="Comparisons between models that fail the stage: "
+                              "must beat (min_improvement) or must not regress (max_regression).")
+    expect: list[Expectation] = Field(default_factory=list, description="Bands each metric is expected to land in "
+                                      "(e.g. the figures a README promises); a result outside its band is a failed "
+                                      "expectation in the report, the result and MLflow.")
+    expect_fails_stage: bool = Field(True, description="A failed expectation fails the stage after the artifact is "
+                                     "published, as a failed gate does; false: reported only.")
 
     ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | {"device"}
 
@@ -237,6 +284,22 @@ class EvalConfig(StageConfig):
                     raise ValueError(f"[{i}].{what}: {ref!r} is not a model name ({', '.join(names)})")
         return gates
 
+    @field_validator("expect")
+    @classmethod
+    def _expect_refs(cls, expect: list[Expectation], info: ValidationInfo) -> list[Expectation]:
+        names = [m.name for m in info.data.get("models") or []]
+        pref = info.data.get("preference")
+        names += list(pref.reward_models) if pref is not None else []
+        seen: set[str] = set()
+        for i, e in enumerate(expect):
+            if names and e.metric.split("/")[0] not in names:
+                raise ValueError(f"[{i}].metric: {e.metric.split('/')[0]!r} is not a model name "
+                                 f"({', '.join(names)})")
+            if e.metric in seen:
+                raise ValueError(f"[{i}].metric: {e.metric} has two bands; give it one")
+            seen.add(e.metric)
+        return expect
+
     def settings(self) -> dict[str, Any]:
         """Ids depend on content, not paths: local model folders and task folders (relative to the project root,
         as `run` reads them) enter as content hashes."""
@@ -248,8 +311,11 @@ class EvalConfig(StageConfig):
             if m["base"] is not None and m["base"] not in names:
                 m["base"] = _fingerprint_or_path(self.local_path(m["base"]), m["base"])
         s["task_dirs"] = [_fingerprint_or_path(self.local_path(d), d) for d in s["task_dirs"]]
-        if not s["chat_loss"]:
-            del s["chat_loss"]  # the default leaves earlier ids as they were
+        for key in ("chat_loss", "expect"):
+            if not s[key]:
+                del s[key]  # the default leaves earlier ids as they were
+        if s["expect_fails_stage"] or "expect" not in s:
+            del s["expect_fails_stage"]
         s["shipped_tasks"] = _fingerprint_or_path(SHIPPED_TASKS, str(SHIPPED_TASKS)) if self.tasks else None
         return s
 
@@ -266,6 +332,8 @@ class EvalResult(Result):
     tasks: list[dict[str, Any]]  # per task: kind, version, documents, evaluated, higher_is_better, ...
     gates: list[dict[str, Any]]
     gates_failed: int
+    expectations: dict[str, dict[str, Any]] = {}  # metric path -> value, min, max, met, message
+    expectations_failed: int = 0
     notes: list[str]
 
 
@@ -524,13 +592,18 @@ def direction(task: str, metric: str, lm_eval_dirs: dict[str, dict[str, bool]]) 
 
 def check_gates(gates: list[Gate], scores: dict[str, dict[str, dict[str, float]]],
                 lm_eval_dirs: dict[str, dict[str, bool]]) -> list[dict[str, Any]]:
-    """Each gate's outcome. A gate fails when the model is worse than `against` by more than
-    max_regression + stderr_k * sqrt(se_model^2 + se_against^2) (a missing stderr counts as 0)."""
+    """Each gate's outcome, with its margin: how far the result is on the passing side of the bar (negative: failed).
+    - must beat (min_improvement): improvement > min_improvement + stderr_k * se;
+    - must not regress (max_regression): regression <= max_regression + stderr_k * se;
+    where se = sqrt(se_model^2 + se_against^2) (a missing stderr counts as 0) and improvement = -regression is the
+    change for the better."""
     out = []
     for g in gates:
         model, task, metric = g.metric.split("/")
-        row: dict[str, Any] = {"metric": g.metric, "against": g.against, "max_regression": g.max_regression,
-                               "stderr_k": g.stderr_k}
+        beat = g.min_improvement is not None
+        row: dict[str, Any] = {"metric": g.metric, "against": g.against, "kind": "must_beat" if beat else
+                               "must_not_regress", "min_improvement": g.min_improvement,
+                               "max_regression": g.max_regression, "stderr_k": g.stderr_k}
         missing = [m for m in (model, g.against) if metric not in scores.get(m, {}).get(task, {})]
         higher = g.higher_is_better if g.higher_is_better is not None else direction(task, metric, lm_eval_dirs)
         if missing:
@@ -547,16 +620,47 @@ def check_gates(gates: list[Gate], scores: dict[str, dict[str, dict[str, float]]
             continue
         value, ref = scores[model][task][metric], scores[g.against][task][metric]
         se = math.sqrt(sum(scores[m][task].get(f"{metric}_stderr", 0.0) ** 2 for m in (model, g.against)))
-        regression = (ref - value) if higher else (value - ref)
-        limit = g.max_regression + g.stderr_k * se
-        passed = regression <= limit
-        verdict = "passed" if passed else "failed"
-        row.update(value=value, reference=ref, stderr=se, higher_is_better=higher, regression=regression,
-                   limit=limit, passed=passed,
-                   message=f"gate {g.metric} {verdict}: {value:.6g} against {g.against}'s {ref:.6g} "
-                   f"({'higher' if higher else 'lower'} is better) is a regression of {regression:.6g}, limit "
-                   f"{limit:.6g} (max_regression {g.max_regression:g} + {g.stderr_k:g} x stderr {se:.6g})")
+        improvement = (value - ref) if higher else (ref - value)
+        if beat:
+            bar = g.min_improvement + g.stderr_k * se
+            margin, passed = improvement - bar, improvement > bar
+            rule = (f"must beat {g.against} by more than {bar:.4g} (min_improvement {g.min_improvement:g} + "
+                    f"{g.stderr_k:g} x stderr {se:.4g})")
+        else:
+            bar = g.max_regression + g.stderr_k * se
+            margin, passed = bar + improvement, -improvement <= bar
+            rule = (f"may fall behind {g.against} by at most {bar:.4g} (max_regression {g.max_regression:g} + "
+                    f"{g.stderr_k:g} x stderr {se:.4g})")
+        verdict = "passed" if passed else "FAILED"
+        row.update(value=value, reference=ref, stderr=se, higher_is_better=higher, improvement=improvement,
+                   regression=-improvement, limit=bar, margin=margin, passed=passed,
+                   message=f"gate {g.metric} {verdict}: {value:.4g} against {g.against}'s {ref:.4g} "
+                   f"({'higher' if higher else 'lower'} is better), a change of {improvement:+.4g} for the better; "
+                   f"it {rule}: margin {margin:+.4g}")
         out.append(row)
+    return out
+
+
+def check_expectations(expect: list[Expectation], scores: dict[str, dict[str, dict[str, float]]]
+                       ) -> dict[str, dict[str, Any]]:
+    """metric path -> {value, min, max, met, message} for every declared band. A metric that was not measured
+    is a failed expectation too (value None)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in expect:
+        model, task, metric = e.metric.split("/")
+        value = scores.get(model, {}).get(task, {}).get(metric)
+        row: dict[str, Any] = {"value": value, "min": e.min, "max": e.max}
+        if value is None:
+            have = sorted(f"{t}/{k}" for t, ms in scores.get(model, {}).items() for k in ms
+                          if not k.endswith("_stderr"))
+            row.update(met=False, message=f"expect {e.metric} in {e.band()}: {model} has no metric {task}/{metric} "
+                       f"(it has: {', '.join(have) or 'none'})")
+        else:
+            met = (e.min is None or value >= e.min) and (e.max is None or value <= e.max)
+            where = "" if met else (" below" if e.min is not None and value < e.min else " above")
+            row.update(met=met, message=f"expect {e.metric} in {e.band()}: {value:.4g}, "
+                       f"{'as expected' if met else 'UNEXPECTED,' + where + ' the band'}")
+        out[e.metric] = row
     return out
 
 
@@ -618,13 +722,44 @@ def _settings_line(cfg: EvalConfig) -> str:
             f"bootstrap_iters {cfg.bootstrap_iters}, apply_chat_template {cfg.apply_chat_template}, dtype {cfg.dtype}")
 
 
-def write_reports(out: Path, cfg: EvalConfig, c: "Collected", gates: list[dict[str, Any]]) -> None:
+def gate_rows(gates: list[dict[str, Any]]) -> list[list[str]]:
+    rows = [["gate", "metric", "against", "value", "reference", "bar", "margin", "verdict"]]
+    for g in gates:
+        bar = "-" if "limit" not in g else (f"better by > {g['limit']:.4g}" if g["kind"] == "must_beat"
+                                            else f"worse by <= {g['limit']:.4g}")
+        rows.append([g["kind"].replace("_", " "), g["metric"], g["against"], _num(g.get("value")),
+                     _num(g.get("reference")), bar, _num(g.get("margin"), signed=True),
+                     "PASS" if g["passed"] else "FAIL"])
+    return rows
+
+
+def expectation_rows(expectations: dict[str, dict[str, Any]]) -> list[list[str]]:
+    rows = [["metric", "expected band", "value", "verdict"]]
+    for metric, e in expectations.items():
+        lo = "-inf" if e["min"] is None else format(e["min"], "g")
+        band = f"{lo} .. {'inf' if e['max'] is None else format(e['max'], 'g')}"
+        rows.append([metric, band, _num(e["value"]), "as expected" if e["met"] else "UNEXPECTED"])
+    return rows
+
+
+def _num(v: float | None, signed: bool = False) -> str:
+    return "-" if v is None else (f"{v:+.4f}" if signed else f"{v:.4f}")
+
+
+def write_reports(out: Path, cfg: EvalConfig, c: "Collected", gates: list[dict[str, Any]],
+                  expectations: dict[str, dict[str, Any]]) -> None:
     scores, dirs, notes, generations = c.scores, c.higher_is_better, c.notes, c.generations
     rows = comparison_rows(scores, dirs)
-    gate_lines = [f"- {'PASS' if g['passed'] else 'FAIL'}: {g['message']}" for g in gates]
-    md = ["# Evaluation", "", f"Settings: {_settings_line(cfg)}", "", _md_table(rows), ""]
+    sections = []  # (title, intro, table rows, lines)
     if gates:
-        md += ["## Gates", "", *gate_lines, ""]
+        sections.append(("Gates", "Margin: how far each result is on the passing side of its bar (negative: failed).",
+                         gate_rows(gates), [g["message"] for g in gates if not g["passed"]]))
+    if expectations:
+        sections.append(("Expectations", "The band each metric is declared to land in (`expect:`).",
+                         expectation_rows(expectations), [e["message"] for e in expectations.values() if not e["met"]]))
+    md = ["# Evaluation", "", f"Settings: {_settings_line(cfg)}", "", _md_table(rows), ""]
+    for title, intro, table, failed in sections:
+        md += [f"## {title}", "", intro, "", _md_table(table), "", *(f"- {m}" for m in failed), ""]
     if notes:
         md += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     (out / "comparison.md").write_text("\n".join(md), encoding="utf-8")
@@ -632,8 +767,9 @@ def write_reports(out: Path, cfg: EvalConfig, c: "Collected", gates: list[dict[s
             "<style>table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
             "</style></head><body>", "<h1>Evaluation</h1>", f"<p>Settings: {html.escape(_settings_line(cfg))}</p>",
             _html_table(rows)]
-    if gates:
-        page += ["<h2>Gates</h2><ul>", *(f"<li>{html.escape(x[2:])}</li>" for x in gate_lines), "</ul>"]
+    for title, intro, table, failed in sections:
+        page += [f"<h2>{title}</h2>", f"<p>{html.escape(intro)}</p>", _html_table(table)]
+        page += ["<ul>", *(f"<li>{html.escape(m)}</li>" for m in failed), "</ul>"] if failed else []
     if notes:
         page += ["<h2>Notes</h2><ul>", *(f"<li>{html.escape(n)}</li>" for n in notes), "</ul>"]
     if generations:
@@ -641,7 +777,8 @@ def write_reports(out: Path, cfg: EvalConfig, c: "Collected", gates: list[dict[s
     page.append("</body></html>")
     (out / "comparison.html").write_text("\n".join(page), encoding="utf-8")
     (out / "metrics.json").write_text(json.dumps({"eval": scores, "higher_is_better": dirs,
-                                                  "main_metric": c.main_metric, "gates": gates, "notes": notes},
+                                                  "main_metric": c.main_metric, "gates": gates,
+                                                  "expectations": expectations, "notes": notes},
                                                  indent=2), encoding="utf-8")
     if generations:
         gen_rows = _generation_rows(cfg.control_prompts, generations)
@@ -868,16 +1005,25 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
         _score_reward_models(c, cfg, by_input, pairs, where)
 
     gates = check_gates(cfg.gates, c.scores, c.higher_is_better)
-    failed = [g for g in gates if not g["passed"]]
+    failed = [g["message"] for g in gates if not g["passed"]]
     for g in gates:
         (log.info if g["passed"] else log.error)("%s", g["message"])
-    write_reports(out, cfg, c, gates)
+    expectations = check_expectations(cfg.expect, c.scores)
+    unexpected = [e["message"] for e in expectations.values() if not e["met"]]
+    for e in expectations.values():
+        (log.info if e["met"] else log.error)("%s", e["message"])
+    write_reports(out, cfg, c, gates, expectations)
     result = EvalResult(models=[s.describe() for s in models.values()], eval=c.scores, tasks=list(c.tasks.values()),
-                        gates=gates, gates_failed=len(failed), notes=c.notes)
+                        gates=gates, gates_failed=len(failed), expectations=expectations,
+                        expectations_failed=len(unexpected), notes=c.notes)
     log_to_mlflow(runtime, result, out)
-    if failed:  # after every file and MLflow record: the executor publishes the artifact, then fails the stage
-        lines = "\n".join(f"  - {g['message']}" for g in failed)
-        raise FailedAfterPublish(f"{len(failed)} of {len(gates)} eval gate(s) failed:\n{lines}", result)
+    problems = [f"{len(failed)} of {len(gates)} eval gate(s) failed"] if failed else []
+    if unexpected and cfg.expect_fails_stage:
+        problems.append(f"{len(unexpected)} of {len(expectations)} result(s) outside their expected band")
+        failed += unexpected
+    if problems:  # after every file and MLflow record: the executor publishes the artifact, then fails the stage
+        lines = "\n".join(f"  - {m}" for m in failed)
+        raise FailedAfterPublish(f"{' and '.join(problems)}:\n{lines}", result)
     return result
 
 

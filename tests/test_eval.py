@@ -25,7 +25,7 @@ from lmforge.stage import StageRuntime
 from lmforge.store import ArtifactStore
 from lmforge.tracking import Tracker
 from tasks import eval as ev_stage
-from tasks.eval import EvalConfig, Gate, check_gates, comparison_rows
+from tasks.eval import EvalConfig, Expectation, Gate, check_expectations, check_gates, comparison_rows
 from tests.conftest import basic_config, text_rows, write_jsonl
 from trainer import evaluate as ev
 
@@ -243,16 +243,19 @@ def test_tasks_with_known_answers_table_files_and_limit_note(tmp_path, models, m
     out.mkdir()
     r = ev_stage.run(cfg, [], out)
 
-    # 3 of the 6 test rows answer 7 and 1 answers 5; 3 of the first 40 rows of arith_test.jsonl answer 7, 3 answer 5
+    # 3 of the 6 test rows answer 7 and 1 answers 5; the shipped arith_test.jsonl asks two-digit sums (none is 7 or 5)
+    arith = [json.loads(x)["answer"] for x in
+             (REPO / "configs/eval_tasks/data/arith_test.jsonl").read_text().splitlines()]
+    em7, em5 = arith[:40].count("7") / 40, arith[:40].count("5") / 40
     assert {t: {k: round(v, 6) for k, v in m.items()} for t, m in r.eval["seven"].items()} == {
         "t_mc": {"acc": 0.5, "acc_stderr": round(math.sqrt(0.25 * 6 / 5 / 6), 6)},
         "t_ll": {"acc": 0.5, "acc_stderr": round(math.sqrt(0.25 * 6 / 5 / 6), 6)},
         "t_gen": {"exact_match": 0.5, "exact_match_stderr": round(math.sqrt(0.25 * 6 / 5 / 6), 6)},
-        "lmforge_arith_gen": {"exact_match": 0.075,
-                              "exact_match_stderr": round(math.sqrt(0.075 * 0.925 * 40 / 39 / 40), 6)}}
+        "lmforge_arith_gen": {"exact_match": em7,
+                              "exact_match_stderr": round(math.sqrt(em7 * (1 - em7) * 40 / 39 / 40), 6)}}
     assert [r.eval["five"][t]["acc" if t != "t_gen" else "exact_match"] for t in ("t_mc", "t_ll", "t_gen")] == \
         [pytest.approx(1 / 6)] * 3
-    assert r.eval["five"]["lmforge_arith_gen"]["exact_match"] == pytest.approx(0.075)
+    assert r.eval["five"]["lmforge_arith_gen"]["exact_match"] == pytest.approx(em5)
     assert r.notes == ["t_mc: limit 40 is more than its 6 documents; lm-eval evaluated all 6",
                        "t_ll: limit 40 is more than its 6 documents; lm-eval evaluated all 6",
                        "t_gen: limit 40 is more than its 6 documents; lm-eval evaluated all 6"]
@@ -478,20 +481,62 @@ def test_gates_pass_and_fail_with_direction_and_stderr():
     out = check_gates(gates, SCORES, {"t_mc": {"acc": True}})
     assert [g["passed"] for g in out] == [False, True, True, False, False, False]
     assert [g["message"] for g in out] == [
-        "gate sft/local_ppl/bits_per_byte failed: 1.53 against base's 1.5 (lower is better) is a regression of "
-        "0.03, limit 0.02 (max_regression 0.02 + 2 x stderr 0)",
-        "gate sft/local_ppl/bits_per_byte passed: 1.53 against base's 1.5 (lower is better) is a regression of "
-        "0.03, limit 0.05 (max_regression 0.05 + 2 x stderr 0)",
-        "gate sft/t_mc/acc passed: 0.55 against base's 0.6 (higher is better) is a regression of 0.05, limit 0.1 "
-        "(max_regression 0 + 2 x stderr 0.05)",
-        "gate sft/t_mc/acc failed: 0.55 against base's 0.6 (higher is better) is a regression of 0.05, limit 0 "
-        "(max_regression 0 + 0 x stderr 0.05)",
+        "gate sft/local_ppl/bits_per_byte FAILED: 1.53 against base's 1.5 (lower is better), a change of -0.03 for "
+        "the better; it may fall behind base by at most 0.02 (max_regression 0.02 + 2 x stderr 0): margin -0.01",
+        "gate sft/local_ppl/bits_per_byte passed: 1.53 against base's 1.5 (lower is better), a change of -0.03 for "
+        "the better; it may fall behind base by at most 0.05 (max_regression 0.05 + 2 x stderr 0): margin +0.02",
+        "gate sft/t_mc/acc passed: 0.55 against base's 0.6 (higher is better), a change of -0.05 for the better; it "
+        "may fall behind base by at most 0.1 (max_regression 0 + 2 x stderr 0.05): margin +0.05",
+        "gate sft/t_mc/acc FAILED: 0.55 against base's 0.6 (higher is better), a change of -0.05 for the better; it "
+        "may fall behind base by at most 0 (max_regression 0 + 0 x stderr 0.05): margin -0.05",
         "gate sft/t_mc/acc_norm: sft has no metric t_mc/acc_norm (it has: local_ppl/bits_per_byte, "
         "local_ppl/token_perplexity, t_mc/acc, t_x/odd)",
         "gate sft/t_x/odd: lmforge does not know whether higher or lower is better for this metric; set "
         "higher_is_better on the gate"]
-    assert (out[0]["value"], out[0]["reference"], out[0]["regression"], out[0]["limit"]) == \
-        (1.53, 1.5, pytest.approx(0.03), 0.02)
+    assert (out[0]["value"], out[0]["reference"], out[0]["regression"], out[0]["limit"], out[0]["kind"]) == \
+        (1.53, 1.5, pytest.approx(0.03), 0.02, "must_not_regress")
+    assert out[0]["margin"] == pytest.approx(-0.01) and out[1]["margin"] == pytest.approx(0.02)
+
+
+def test_must_beat_gates_ask_for_an_improvement_beyond_the_stderrs():
+    """A model equal to its reference passes every must-not-regress gate and fails every must-beat gate."""
+    scores = {"base": {"t_mc": {"acc": 0.30, "acc_stderr": 0.03}, "ppl": {"bits_per_byte": 2.0}},
+              "sft": {"t_mc": {"acc": 0.45, "acc_stderr": 0.04}, "ppl": {"bits_per_byte": 1.5}},
+              "same": {"t_mc": {"acc": 0.30, "acc_stderr": 0.03}, "ppl": {"bits_per_byte": 2.0}}}
+    gates = [Gate(metric="sft/t_mc/acc", against="base", min_improvement=0.0),  # +0.15 > 2 x 0.05
+             Gate(metric="sft/t_mc/acc", against="base", min_improvement=0.1),  # +0.15 > 0.1 + 0.1? no
+             Gate(metric="sft/ppl/bits_per_byte", against="base", min_improvement=0.4),  # lower is better: +0.5
+             Gate(metric="same/t_mc/acc", against="base", min_improvement=0.0),
+             Gate(metric="same/t_mc/acc", against="base", max_regression=0.0)]
+    out = check_gates(gates, scores, {"t_mc": {"acc": True}})
+    assert [(g["kind"], g["passed"]) for g in out] == [("must_beat", True), ("must_beat", False), ("must_beat", True),
+                                                       ("must_beat", False), ("must_not_regress", True)]
+    equal = round(2 * math.sqrt(2) * 0.03, 6)  # 2 stderrs of the difference of two equal results
+    assert [round(g["margin"], 6) for g in out] == [0.05, -0.05, 0.1, -equal, equal]
+    assert out[1]["message"] == (
+        "gate sft/t_mc/acc FAILED: 0.45 against base's 0.3 (higher is better), a change of +0.15 for the better; it "
+        "must beat base by more than 0.2 (min_improvement 0.1 + 2 x stderr 0.05): margin -0.05")
+    with pytest.raises(ValueError, match="set exactly one of min_improvement .* and max_regression"):
+        Gate(metric="sft/t_mc/acc", against="base")
+    with pytest.raises(ValueError, match="set exactly one of min_improvement"):
+        Gate(metric="sft/t_mc/acc", against="base", min_improvement=0, max_regression=0)
+
+
+def test_expectations_report_each_result_against_its_band():
+    scores = {"sft": {"t_mc": {"acc": 0.45, "acc_stderr": 0.04}}, "dpo": {"t_mc": {"acc": 0.95}}}
+    expect = [Expectation(metric="sft/t_mc/acc", min=0.4, max=0.6), Expectation(metric="dpo/t_mc/acc", min=0.97),
+              Expectation(metric="dpo/t_mc/acc_norm", max=1.0)]
+    out = check_expectations(expect, scores)
+    assert {k: (v["value"], v["met"]) for k, v in out.items()} == {
+        "sft/t_mc/acc": (0.45, True), "dpo/t_mc/acc": (0.95, False), "dpo/t_mc/acc_norm": (None, False)}
+    assert [v["message"] for v in out.values()] == [
+        "expect sft/t_mc/acc in [0.4, 0.6]: 0.45, as expected",
+        "expect dpo/t_mc/acc in [0.97, inf]: 0.95, UNEXPECTED, below the band",
+        "expect dpo/t_mc/acc_norm in [-inf, 1]: dpo has no metric t_mc/acc_norm (it has: t_mc/acc)"]
+    with pytest.raises(ValueError, match="set min, max or both"):
+        Expectation(metric="sft/t_mc/acc")
+    with pytest.raises(ValueError, match="min 0.9 is above max 0.5"):
+        Expectation(metric="sft/t_mc/acc", min=0.9, max=0.5)
 
 
 def test_passing_gate_returns_and_logs_reports_on_the_stage_run_only(tmp_path, models):
@@ -527,29 +572,44 @@ def test_failing_gate_is_published_then_fails_and_fails_again_when_cached(tmp_pa
     raw = {"name": "t", "store": str(tmp_path / "artifacts"),
            "stages": {"eval": {"kind": "eval", "retries": 0, "tasks": ["t_mc"], "task_dirs": [str(tasks_dir)],
                                "models": [{"name": "seven", "base": str(models["seven"])},
-                                          {"name": "five", "base": str(models["five"])}], "gates": gates}}}
+                                          {"name": "five", "base": str(models["five"])}], "gates": gates,
+                               "expect": [{"metric": "five/t_mc/acc", "min": 0.5},
+                                          {"metric": "seven/t_mc/acc", "min": 0.4, "max": 0.6}]}}}
     plan = make_plan(parse_config(raw, kinds, root=tmp_path), kinds)
     tr = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "t")
     parent = tr.start_run("t-local", {})
     ctx = RunContext(plan=plan, kinds=kinds, tracker=tr, parent_run_id=parent)
     # with 2 x the stderr of the difference (6 documents each) the first gate passes; without, the second fails
-    message = ("1 of 2 eval gate(s) failed:\n  - gate five/t_mc/acc failed: 0.166667 against seven's 0.5 (higher is "
-               "better) is a regression of 0.333333, limit 0.1 (max_regression 0.1 + 0 x stderr 0.278887)")
+    # and five lands below the band its expectation declares (seven inside its own)
+    message = ("1 of 2 eval gate(s) failed and 1 of 2 result(s) outside their expected band:\n"
+               "  - gate five/t_mc/acc FAILED: 0.1667 against seven's 0.5 (higher is better), a change of -0.3333 for "
+               "the better; it may fall behind seven by at most 0.1 (max_regression 0.1 + 0 x stderr 0.2789): margin "
+               "-0.2333\n"
+               "  - expect five/t_mc/acc in [0.5, inf]: 0.1667, UNEXPECTED, below the band")
     with pytest.raises(FailedAfterPublish) as e:
         execute_stage(ctx, "eval")
     assert str(e.value) == message
     art = plan.store.require("eval", plan.stages["eval"].artifact_id)  # published all the same
     assert art.manifest["failure"] == message and art.result["gates_failed"] == 1
+    assert art.result["expectations_failed"] == 1 and {k: v["met"] for k, v in art.result["expectations"].items()} \
+        == {"five/t_mc/acc": False, "seven/t_mc/acc": True}
     assert [g["passed"] for g in art.result["gates"]] == [True, False]
     assert sorted({f["path"].split("/")[0] for f in art.manifest["files"]}) == [
         "comparison.html", "comparison.md", "metrics.json", "metrics.png", "results", "tasks"]
     with art.open("comparison.md") as f:
-        assert "- FAIL: gate five/t_mc/acc failed: 0.166667" in f.read().decode()
+        md = f.read().decode()
+    assert "| must not regress | five/t_mc/acc | seven | 0.1667 | 0.5000 | worse by <= 0.1 | -0.2333 | FAIL |" in md
+    assert "| five/t_mc/acc | 0.5 .. inf | 0.1667 | UNEXPECTED |" in md
+    assert "| seven/t_mc/acc | 0.4 .. 0.6 | 0.5000 | as expected |" in md
     with pytest.raises(FailedAfterPublish):
         execute_stage(ctx, "eval")  # cached: fails again without evaluating
     runs = tr.client.search_runs([tr.experiment_id], "attributes.run_name = 'eval'")
     assert sorted((r.data.tags["cached"], r.info.status, r.data.metrics["eval/five/t_mc/acc"]) for r in runs) == [
         ("false", "FAILED", pytest.approx(1 / 6)), ("true", "FAILED", pytest.approx(1 / 6))]
+    # MLflow: the count and each expectation, met (1) or not (0), with its band
+    m = runs[0].data.metrics
+    assert (m["expectations_failed"], m["expectations/five/t_mc/acc/met"], m["expectations/five/t_mc/acc/min"],
+            m["expectations/seven/t_mc/acc/met"]) == (1, 0, 0.5, 1)
     assert tr.client.get_run(parent).data.metrics == {}  # summary/* comes from the flow (tests/test_mlflow_view.py)
 
 

@@ -60,7 +60,8 @@ def test_fresh_and_cached_parents_have_the_same_few_metric_keys(runs):
     assert set(cached.data.metrics) == keys == set(changed.data.metrics)
     assert not [k for k in keys if k.startswith(("eval/", "sft/"))]  # no per-stage details, no eval/eval/
     assert keys == {"stages_ran", "stages_cached", "stages_failed", "summary/wall_seconds", "summary/gates_passed",
-                    "summary/gates_failed", "summary/sft/t_mc/acc", "summary/sft/t_mc/acc_stderr",
+                    "summary/gates_failed", "summary/expectations_failed", "summary/sft/t_mc/acc",
+                    "summary/sft/t_mc/acc_stderr",
                     "summary/tokens_trained/sft"}
     # the headline values are the eval artifact's result, on the cached parent too
     store = runs["root"] / "artifacts"
@@ -72,7 +73,7 @@ def test_fresh_and_cached_parents_have_the_same_few_metric_keys(runs):
         m = run.data.metrics
         assert m["summary/sft/t_mc/acc"] == result["eval"]["sft"]["t_mc"]["acc"]
         assert m["summary/sft/t_mc/acc_stderr"] == result["eval"]["sft"]["t_mc"]["acc_stderr"]
-        assert (m["summary/gates_passed"], m["summary/gates_failed"]) == (1, 0)
+        assert (m["summary/gates_passed"], m["summary/gates_failed"], m["summary/expectations_failed"]) == (1, 0, 0)
         assert m["summary/tokens_trained/sft"] == sft_result["tokens"] > 0
         assert m["summary/wall_seconds"] > 0
     assert (changed.data.metrics["summary/gates_passed"], changed.data.metrics["summary/gates_failed"]) == (0, 1)
