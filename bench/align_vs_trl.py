@@ -9,8 +9,8 @@ seed, on the demo's preference pairs (the train split of its `shard_pairs` artif
 A  lmforge: the demo's `dpo` (or `reward`) stage with that seed, as stages `dpo_s<seed>` (`reward_s<seed>`);
 B  plain: a fresh python running `plain_dpo()` (`plain_reward()`): TRL's DPOTrainer (RewardTrainer) on the same
    pairs in TRL's conversational format, the same sft folder, LoRA, beta, learning rate, schedule, warmup, batch,
-   steps, max length and seed, with the Trainer's random order (what a user's script gets; lmforge groups
-   micro-batches by length, so the batches differ).
+   steps, max length and seed, with the Trainer's random order (what a user's script gets). The demo's stages use
+   a random order too (`group_by_length: false`), drawn their own way, so the two sides see different batches.
 Reported: the training loss at every 10th step for every run (lmforge's from its MLflow run, the plain script's from
 its log history), the spread between seeds of one side against the gap between the sides' means, and held-out
 figures on the 144 held-out pairs of data/demo/heldout, measured the same way for both sides:
@@ -248,7 +248,9 @@ def main() -> int:
                 for side, f in ((f"lmforge s{s}", Path(art.path)), (f"plain s{s}", folder)):
                     heldout[side] = ev.reward_model_accuracy(ev.reward_model_scores(f, held, batch_size=32))
             print(f"{method} seed {s}: lmforge {time.perf_counter() - t0:.0f}s with the plain script", flush=True)
-        if method == "dpo":
+        if method == "dpo":  # planned again: the plain folders exist now, and their content enters the eval id
+            plan = make_plan(parse_config(raw, REGISTRY, root=out), REGISTRY)
+            ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker, parent_run_id=ctx.parent_run_id)
             execute_stage(ctx, "eval")
             scores = plan.store.require("eval", plan.stages["eval"].artifact_id).result["eval"]
             for s in seeds:

@@ -254,7 +254,9 @@ def test_cli_demo_every_stage_component_and_gpu():
 def test_cli_7b_llama_needs_a_smaller_micro_batch_on_a_24gb_card():
     """A 7B-shaped Llama (config only): dpo with QLoRA, micro-batch 16 x accum 2 does not fit an RTX 4090; the
     largest micro-batch that does is 2, with accum 16 keeping the global batch of 32."""
-    r = _cli("-o", f"stages.pretrain.base_model.config={LLAMA_7B}", "-o", "stages.dpo.method=qlora",
+    # the demo's sft starts from a fresh model of its own (not from pretrain), and reward/dpo/ppo from sft
+    r = _cli("-o", f"stages.pretrain.base_model.config={LLAMA_7B}", "-o", f"stages.sft.base_model.config={LLAMA_7B}",
+             "-o", "stages.dpo.method=qlora",
              "-o", "stages.dpo.dtype=bfloat16", "-o", "stages.dpo.max_length_tokens=512",
              "-o", "stages.dpo.grad_accumulation_steps=2", "--gpu", "RTX 4090")
     dpo = r["stages"]["dpo"]

@@ -26,7 +26,7 @@ from lmforge.store import ArtifactStore
 from lmforge.tracking import Tracker
 from tasks import eval as ev_stage
 from tasks.eval import EvalConfig, Expectation, Gate, check_expectations, check_gates, comparison_rows
-from tests.conftest import basic_config, text_rows, write_jsonl
+from tests.conftest import REPO, basic_config, text_rows, write_jsonl
 from trainer import evaluate as ev
 
 # the test tasks: every row offers 5 and 7, so `seven` is right exactly on rows 1-3 and `five` on row 4
