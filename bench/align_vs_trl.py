@@ -179,6 +179,8 @@ def main() -> int:
     from lmforge.tracking import Tracker
     from tasks import REGISTRY
     from trainer import evaluate as ev
+    from trainer import models
+    from trainer.reward import REWARD_MODEL_KIND
 
     raw = demo_raw(out)
     seeds = list(range(args.seeds))
@@ -244,7 +246,8 @@ def main() -> int:
             plain = json.loads(proc.stdout.strip().splitlines()[-1])
             curves[f"plain s{s}"] = {int(k): v for k, v in plain["loss"].items()}
             seconds[f"plain s{s}"] = plain["train_seconds"]
-            if method == "reward":
+            if method == "reward":  # the same scorer reads both; it wants the folder labelled as a reward model
+                (folder / models.MODEL_INFO).write_text(json.dumps({"kind": REWARD_MODEL_KIND}))
                 for side, f in ((f"lmforge s{s}", Path(art.path)), (f"plain s{s}", folder)):
                     heldout[side] = ev.reward_model_accuracy(ev.reward_model_scores(f, held, batch_size=32))
             print(f"{method} seed {s}: lmforge {time.perf_counter() - t0:.0f}s with the plain script", flush=True)

@@ -106,10 +106,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise
         from flows.pipeline import EPHEMERAL_STARTUP_SECONDS
 
-        print(f"lmforge run: Prefect's temporary API server did not answer within {EPHEMERAL_STARTUP_SECONDS} s "
-              "(a busy machine starts it slowly). Raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start a "
-              "persistent server (`prefect server start --host 127.0.0.1`) and set PREFECT_API_URL="
-              "http://127.0.0.1:4200/api.", file=sys.stderr)
+        print(f"lmforge run: Prefect's temporary API server did not start (Prefect: {str(e)[:600]}). A busy machine "
+              f"starts it slowly: raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (now "
+              f"{EPHEMERAL_STARTUP_SECONDS} s), or start a persistent server (`prefect server start --host "
+              "127.0.0.1`) and set PREFECT_API_URL=http://127.0.0.1:4200/api.", file=sys.stderr)
         return 1
     print(f"pipeline {summary['pipeline']}: {summary['ran']} stage(s) ran, {summary['cached']} cached "
           f"(MLflow run {summary['mlflow_run_id']}, Prefect flow run {summary['flow_run_id']})")
