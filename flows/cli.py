@@ -18,6 +18,9 @@ from typing import Any
 # Before anything imports Prefect; setting either variable yourself decides instead.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Prefect reads its settings once, when it is first imported, so the ephemeral server's start-up window (see
+# flows/pipeline.py) is set here too: set only there, it came after Prefect's import and left Prefect at 20 s.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 from lmforge import preflight  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
@@ -104,11 +107,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         if "ephemeral Prefect API server" not in str(e):
             raise
-        from flows.pipeline import EPHEMERAL_STARTUP_SECONDS
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as startup
 
         print(f"lmforge run: Prefect's temporary API server did not start (Prefect: {str(e)[:600]}). A busy machine "
               f"starts it slowly: raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (now "
-              f"{EPHEMERAL_STARTUP_SECONDS} s), or start a persistent server (`prefect server start --host "
+              f"{startup.value():g} s), or start a persistent server (`prefect server start --host "
               "127.0.0.1`) and set PREFECT_API_URL=http://127.0.0.1:4200/api.", file=sys.stderr)
         return 1
     print(f"pipeline {summary['pipeline']}: {summary['ran']} stage(s) ran, {summary['cached']} cached "

@@ -89,9 +89,26 @@ def test_an_ephemeral_prefect_server_that_does_not_start_in_time_says_what_to_do
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err[-3000:]
     assert "Prefect's temporary API server did not start (Prefect: Timed out while attempting to connect" in err
-    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (now 0 s)" in err  # Prefect's own words are kept
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (now 0 s)" in err  # the window Prefect used
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in err and "PREFECT_API_URL=" in err
     assert "prefect server start --host 127.0.0.1" in err
     _, alive = psutil.wait_procs(list(family.values()), timeout=15)
     assert alive == [], [(p.pid, p.cmdline()) for p in alive]  # the server that was starting is not left behind
     assert not (tmp_path / "artifacts" / "ingest").exists()  # no stage ran
+
+
+def test_the_cli_gives_prefects_temporary_server_180_s_to_start():
+    """Prefect reads its settings when first imported: a default set after that import (as flows/pipeline.py alone
+    did) left Prefect at its 20 s, and sweep runs under load stopped after 21 s. Imported in the CLI's order."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    probe = ("import flows.cli\nfrom prefect.exceptions import CancelledRun\nimport flows.pipeline\n"
+             "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as s\nprint(s.value())")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "180", out.stderr[-2000:]
