@@ -36,7 +36,7 @@ demo: setup
 	$(BIN)/lmforge run configs/demo.yaml
 
 test: setup
-	$(BIN)/python -m pytest -m "not slow" -q --durations=25
+	$(BIN)/python -m pytest -m "not slow" -q --durations=60
 
 test-all: setup
 	$(BIN)/python -m pytest -q
