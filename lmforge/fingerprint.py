@@ -22,6 +22,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -48,6 +49,21 @@ HASH_LEN = 12
 #: CPython 3.11's ast.parse is not safe in concurrent threads ("AST constructor recursion depth mismatch",
 #: seen when Prefect planned stages in parallel threads): one parse at a time
 _AST_LOCK = threading.Lock()
+
+
+def _parse(source: str, filename: str) -> ast.Module:
+    """ast.parse, one at a time here, and again when a parse elsewhere in the process (a library's thread: seen
+    with a Dask cluster in the flow) broke CPython 3.11's shared recursion counter: a parse is pure, so a retry is
+    exact (cpython gh-106905, fixed in later releases)."""
+    for attempt in range(5):
+        try:
+            with _AST_LOCK:
+                return ast.parse(source, filename)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == 4:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
 EXCLUDED = frozenset({"lmforge.tracking", "trainer.metrics", "lmforge.log", "lmforge.provenance", "lmforge.errors",
                       "trainer.errors", "lmforge.fingerprint", "lmforge.interrupt", "lmforge.lease", "lmforge.gc",
                       "lmforge.monitoring", "trainer.monitoring", "tasks"})
@@ -172,8 +188,7 @@ def _module_hash(name: str) -> str:
 def _analyze(name: str) -> tuple[str, tuple[str, ...]]:
     """(sha256 of the normalized source, imported modules) of a project module, from one parse."""
     path = _module_file(name)
-    with _AST_LOCK:
-        tree = ast.parse(_read_source(path), str(path))
+    tree = _parse(_read_source(path), str(path))
     imports = _imported_modules(tree, name if path.name == "__init__.py" else name.rpartition(".")[0])
     return hashlib.sha256(_normalized(tree).encode()).hexdigest(), imports
 
@@ -264,9 +279,7 @@ def _read_source(path: Path) -> str:
 def normalized_source(source: str, filename: str = "<source>") -> str:
     """The AST without docstrings and positions: equal for sources that differ in comments, docstrings
     and formatting only."""
-    with _AST_LOCK:
-        tree = ast.parse(source, filename)
-    return _normalized(tree)
+    return _normalized(_parse(source, filename))
 
 
 def _normalized(tree: ast.Module) -> str:

@@ -14,10 +14,10 @@ from tests.conftest import REPO
 
 TRAINED = ("tokenizer", "pretrain", "sft", "reward", "dpo", "ppo")
 SHORT = {"pretrain": {"max_steps": 30, "checkpoint_every_steps": 10},
-         "sft": {"max_steps": 20, "checkpoint_every_steps": 5},
-         "reward": {"max_steps": 20}, "dpo": {"max_steps": 6},
-         "ppo": {"max_steps": 4, "checkpoint_every_steps": 2, "max_validation_prompts": 8},
-         "eval": {"gates": [], "expect": [], "bootstrap_iters": 0}}
+         "sft": {"max_steps": 20, "checkpoint_every_steps": 5, "batch_size_per_device": 16},
+         "reward": {"max_steps": 20, "batch_size_per_device": 16}, "dpo": {"max_steps": 6},
+         "ppo": {"max_steps": 4, "checkpoint_every_steps": 2, "max_validation_prompts": 4, "batch_size_per_device": 8},
+         "eval": {"gates": [], "expect": [], "bootstrap_iters": 0, "limit": 48}}
 
 
 def write(dir: Path) -> Path:

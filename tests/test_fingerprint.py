@@ -366,3 +366,26 @@ def test_checkpoint_records_its_environment_and_resume_elsewhere_warns(tmp_path,
     assert msg.startswith(f"resuming sft from step 200 made on torch 2.0.0/aarch64 host host-a, now "
                           f"torch {now['torch']}/{now['machine']}")
     assert "torch 2.0.0 -> " in msg
+
+
+def test_a_parse_broken_by_another_threads_parse_is_retried(monkeypatch):
+    """CPython 3.11 shares ast's recursion counter between threads; a Dask cluster's thread broke a plan's parse
+    in CI ("AST constructor recursion depth mismatch"). A parse is pure: lmforge parses again."""
+    import ast
+
+    from lmforge import fingerprint
+
+    real, calls = ast.parse, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemError("AST constructor recursion depth mismatch (before=165, after=76)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fingerprint.ast, "parse", flaky)
+    assert fingerprint.normalized_source("x = 1\n") == fingerprint.normalized_source("x = 1  # same\n")
+    assert len(calls) == 3
+    monkeypatch.setattr(fingerprint.ast, "parse", lambda *a, **k: (_ for _ in ()).throw(SystemError("other")))
+    with pytest.raises(SystemError, match="other"):
+        fingerprint.normalized_source("x = 1\n")

@@ -376,6 +376,7 @@ def test_prefetch_and_pinning_stay_out_of_the_id_but_workers_do_not(root, kinds_
 # slow: exact resume of the stream, and DDP with 2 ranks x 2 workers
 
 
+@pytest.mark.slow  # the default suite proves streamed resume with tests/test_tokenize.py's sft stream
 def test_streamed_resume_ends_with_the_same_weights_as_an_uninterrupted_run(root, kinds_module, tmp_path):
     """60 steps of 8 rows run through the 9 shards more than twice: the resumed run skips exactly the batches
     each worker gave before the kill, across passes, and ends bit for bit where an uninterrupted run ends."""

@@ -164,6 +164,7 @@ def long_chat_rows(n: int) -> list[dict[str, Any]]:
 MEMORY_CAP_MB = 32  # what the training process may grow by when the data grows; the large set is well above it
 
 
+@pytest.mark.slow  # a memory bound, not a behaviour the other stream tests miss; runs in make test-all
 def test_a_data_set_larger_than_the_memory_cap_trains_with_bounded_rss(root, kinds_module, tmp_path, monkeypatch):
     """The same streamed sft on 180 and on 27,000 rows of ~128 tokens (whose ids and labels alone take more than
     1.5x MEMORY_CAP_MB as Python lists, as a map-style data set held them): the training process's peak RSS grows
