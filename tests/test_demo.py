@@ -84,7 +84,7 @@ def test_readme_shows_the_bands_the_config_declares():
 
 
 def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
-    """The whole demo through `lmforge run` (~5 minutes on 2 cores), held to the bands of configs/demo.yaml (the
+    """The whole demo through `lmforge run` (~7 minutes on 2 cores), held to the bands of configs/demo.yaml (the
     README shows the same ones): a fresh clone on a new machine that lands outside one fails here, naming it."""
     store = tmp_path / "artifacts"
     summary_path = tmp_path / "summary.json"
