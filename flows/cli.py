@@ -18,9 +18,6 @@ from typing import Any
 # Before anything imports Prefect; setting either variable yourself decides instead.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# Prefect reads its settings once, when it is first imported, so the ephemeral server's start-up window (see
-# flows/pipeline.py) is set here too: set only there, it came after Prefect's import and left Prefect at 20 s.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 from lmforge import preflight  # noqa: E402
 from lmforge.config import load_config  # noqa: E402

@@ -21,9 +21,7 @@ from uuid import UUID
 # outside flows (tests, scripts), where there is no flow run to send logs to: that is fine
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lmforge,tasks,trainer,flows")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
-# Prefect's ephemeral API server gets 20 s to start by default; on a loaded 2-core machine it often needs more
-# (that timeout failed 5 of ~20 runs at load 5-9). Its loop counts only its own sleeps, so this is a lower bound.
-EPHEMERAL_STARTUP_SECONDS = os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# (the ephemeral server's start-up window is set in flows/__init__.py, before Prefect's import)
 
 import yaml  # noqa: E402
 from prefect import flow, runtime, task  # noqa: E402

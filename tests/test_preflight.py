@@ -98,7 +98,7 @@ def test_an_ephemeral_prefect_server_that_does_not_start_in_time_says_what_to_do
 
 
 def test_the_cli_gives_prefects_temporary_server_180_s_to_start():
-    """Prefect reads its settings when first imported: a default set after that import (as flows/pipeline.py alone
+    """Prefect reads its settings when first imported: a default set after that import (as flows/pipeline.py once
     did) left Prefect at its 20 s, and sweep runs under load stopped after 21 s. Imported in the CLI's order."""
     import os
     import subprocess
