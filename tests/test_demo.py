@@ -113,7 +113,7 @@ def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
     trained = ["tokenizer", "pretrain", "sft", "reward", "dpo", "ppo"]
     assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(
         [*DATA_STAGES, *DECONTAMINATE, "ingest_heldout_chat", "ingest_heldout_pairs", *trained, "eval"], "ran")
-    kind = {n: n.split("_")[0] for n in DECONTAMINATE} | {n: n for n in trained}  # the store is keyed by kind
+    kind = {n: s["kind"] for n, s in yaml.safe_load(DEMO.read_text())["stages"].items()}  # the store's keys
     result = {n: arts.require(kind[n], summary["stages"][n]["artifact_id"]).result
               for n in [*trained[1:], *DECONTAMINATE]}
     # held out means held out: no training record holds an eval question (or, in the text, its sum)
