@@ -106,3 +106,17 @@ Trigger a run now, and follow it:
   prefect deployment run {deps[0]['name']}
   lmforge status            # the latest run's stages; `lmforge rerun FLOW_RUN_ID` after fixing a failure""")
     return 0
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser("deploy", help="register the pipeline's Prefect deployments (manual and nightly) on a process "
+                                      "work pool, creating the pool if missing; prints how to start a worker")
+    d.add_argument("config", nargs="?", default="configs/demo.yaml", help="pipeline YAML file (default: the demo)")
+    d.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value in every run of the deployments (repeatable)")
+    d.add_argument("--name", help="deployment name (default: the pipeline's name); the scheduled one is NAME-nightly")
+    d.add_argument("--pool", default=DEFAULT_POOL, help=f"process work pool (default: {DEFAULT_POOL})")
+    d.add_argument("--cron", default=NIGHTLY_CRON, help=f"schedule of NAME-nightly (default: {NIGHTLY_CRON!r})")
+    d.add_argument("--timezone", default="UTC", help="time zone of --cron (default: UTC)")
+    d.add_argument("--no-schedule", action="store_true", help="register only the manual deployment")
+    d.set_defaults(fn=cmd_deploy)

@@ -61,7 +61,7 @@ def _stop(cause: int | str) -> None:
     signal ends the training process trees at once; a signal after a Prefect cancellation does not, since that is
     how a Prefect worker cancels (it sends SIGTERM to the flow's process after the state turned Cancelling)."""
     # trainer.launch starts every training process, so if it is not imported none runs; importing it here would
-    # hold the stop request back for the ~7 s that torch and transformers take to import
+    # hold the stop request back while torch and transformers import
     launch = sys.modules.get("trainer.launch")
     what = interrupt.describe(cause)
     if isinstance(cause, int) and interrupt.signalled():

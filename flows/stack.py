@@ -336,7 +336,7 @@ def status(dir: Path) -> list[tuple[str, int, bool, str]]:
 
 
 def main(args) -> int:
-    """The `lmforge stack` subcommand (flows/cli.py)."""
+    """The `lmforge stack` subcommand (its parser: `add_parser`)."""
     dir = Path(args.dir)
     if args.stack_command == "up":
         ports = {k: v for k, v in {"s3": args.s3_port, "mlflow": args.mlflow_port,
@@ -368,6 +368,27 @@ def main(args) -> int:
     stopped = down(dir, purge=args.purge)
     print(f"stopped: {', '.join(stopped) or 'nothing was running'}" + (f"; removed {dir}" if args.purge else ""))
     return 0
+
+
+def add_parser(sub) -> None:
+    st = sub.add_parser("stack", help="a production-like stack on 127.0.0.1: SeaweedFS S3, MLflow on Postgres, "
+                                      "a Prefect server and a process worker")
+    stsub = st.add_subparsers(dest="stack_command", required=True)
+    for name, helptext in (("up", "start the stack (its data stays in --dir)"),
+                           ("down", "stop every server of the stack by its pid"),
+                           ("env", "print the environment that points lmforge at the stack: "
+                                   "eval \"$(lmforge stack env)\""),
+                           ("status", "show the stack's servers")):
+        x = stsub.add_parser(name, help=helptext)
+        x.add_argument("--dir", default=".lmforge/stack", help="the stack's folder (default .lmforge/stack)")
+        if name == "up":
+            x.add_argument("--s3-port", type=int, help="S3 port (default 8333)")
+            x.add_argument("--mlflow-port", type=int, help="MLflow server port (default 5000)")
+            x.add_argument("--prefect-port", type=int, help="Prefect server port (default 4200)")
+            x.add_argument("--pool", default="lmforge", help="the process work pool the worker serves")
+        if name == "down":
+            x.add_argument("--purge", action="store_true", help="also delete the stack's data")
+        x.set_defaults(fn=main)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import Any
 
 from flows.deploy import FLOW_NAME
 from flows.flowrun import resolve_config_path
+from flows.run_cmd import cmd_run
 from lmforge.errors import ConfigError, LmforgeError
 
 log = logging.getLogger(__name__)
@@ -144,8 +145,6 @@ def cmd_rerun(args) -> int:
     from prefect import tags
     from prefect.client.orchestration import get_client
 
-    from flows.cli import cmd_run
-
     with get_client(sync_client=True) as client:
         fr = read_flow_run(client, args.flow_run_id)
     p = fr.parameters
@@ -159,20 +158,7 @@ def cmd_rerun(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    """`lmforge deploy`, `lmforge status`, `lmforge rerun`, `lmforge worker` (kept here so flows/cli.py stays one line for them)."""
-    from flows.deploy import DEFAULT_POOL, NIGHTLY_CRON, cmd_deploy
-
-    d = sub.add_parser("deploy", help="register the pipeline's Prefect deployments (manual and nightly) on a process "
-                                      "work pool, creating the pool if missing; prints how to start a worker")
-    d.add_argument("config", nargs="?", default="configs/demo.yaml", help="pipeline YAML file (default: the demo)")
-    d.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value in every run of the deployments (repeatable)")
-    d.add_argument("--name", help="deployment name (default: the pipeline's name); the scheduled one is NAME-nightly")
-    d.add_argument("--pool", default=DEFAULT_POOL, help=f"process work pool (default: {DEFAULT_POOL})")
-    d.add_argument("--cron", default=NIGHTLY_CRON, help=f"schedule of NAME-nightly (default: {NIGHTLY_CRON!r})")
-    d.add_argument("--timezone", default="UTC", help="time zone of --cron (default: UTC)")
-    d.add_argument("--no-schedule", action="store_true", help="register only the manual deployment")
-    d.set_defaults(fn=cmd_deploy)
+    """`lmforge status` and `lmforge rerun`."""
     s = sub.add_parser("status", help="each stage of a flow run: state, artifact, cached or not, duration, error")
     s.add_argument("flow_run_id", nargs="?", help="flow run id (default: the latest run of lmforge-pipeline)")
     s.add_argument("--json", action="store_true", help="print it as JSON")
@@ -181,6 +167,3 @@ def add_parsers(sub) -> None:
     r.add_argument("flow_run_id", help="flow run id (Prefect UI, `lmforge status`, or `prefect flow-run ls`)")
     r.add_argument("--json", metavar="FILE", help="also write the run summary to FILE")
     r.set_defaults(fn=cmd_rerun)
-    from flows.worker import add_parser as add_worker_parser
-
-    add_worker_parser(sub)

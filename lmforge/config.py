@@ -12,15 +12,13 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from lmforge.errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.stage import StageDef
+from lmforge.port import Port
 
 DataKind = Literal["text", "chat", "preference"]
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -279,7 +277,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def load_config(
-    path: str | Path, kinds: Mapping[str, "StageDef"], overrides: list[str] | None = None
+    path: str | Path, kinds: Mapping[str, Any], overrides: list[str] | None = None
 ) -> PipelineConfig:
     path = Path(path)
     raw = apply_overrides(read_yaml(path), overrides or [])
@@ -287,9 +285,10 @@ def load_config(
 
 
 def parse_config(
-    raw: dict[str, Any], kinds: Mapping[str, "StageDef"], root: Path = Path("."), source: str | None = None
+    raw: dict[str, Any], kinds: Mapping[str, Any], root: Path = Path("."), source: str | None = None
 ) -> PipelineConfig:
-    """Validate a raw config dict. Raises ConfigError listing every problem with its path."""
+    """Validate a raw config dict against `kinds` ({kind: lmforge.stage.StageDef}). Raises ConfigError listing
+    every problem with its path."""
     problems: list[str] = []
     raw = dict(raw)
     raw_stages = raw.pop("stages", None)
@@ -383,8 +382,6 @@ def _check_graph(datasets, raw_stages, stages, kinds) -> list[str]:
     if cycles or problems:
         return problems
     # what flows along each edge: each kind checks its inputs and says what it produces
-    from lmforge.stage import Port
-
     ports: dict[str, Port] = {n: Port("dataset", d.kind) for n, d in datasets.items()}
     pending = [n for n in stages]
     while pending:

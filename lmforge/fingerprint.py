@@ -11,7 +11,7 @@ A stage kind's fingerprint hashes
 Normalized means parsed with `ast`, docstrings dropped and dumped without positions: comments,
 docstrings and formatting do not count, any other edit does. Modules are named by their relative
 path (`trainer/sft.py`), so a fingerprint is the same in every checkout and on every machine.
-Everything is computed once per process (about 0.1 s for all stages).
+Everything is computed once per process.
 """
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ HASH_LEN = 12
 #: - lmforge.errors, trainer.errors: exception types and their messages;
 #: - lmforge.fingerprint: this module, which only names the code;
 #: - lmforge.interrupt: a stop request, after which a stage raises instead of writing anything;
-#: - lmforge.lease, lmforge.gc: who may build an artifact, and removing what dead runs left; never its bytes;
+#: - lmforge.lease, lmforge.gc, lmforge.owner: who may build an artifact, and removing what dead runs left; never
+#:   its bytes;
 #: - lmforge.monitoring, trainer.monitoring: Prometheus metrics about a run;
+#: - tasks.evaluation.tracking: the eval reports attached to MLflow, read from the artifact after it is written;
 #: - tasks (the package's __init__): finds the stage modules, runs none of them.
 #: A module that decides a file's bytes, a default or an order never belongs here.
 #: CPython 3.11's ast.parse is not safe in concurrent threads ("AST constructor recursion depth mismatch",
@@ -67,7 +69,8 @@ def _parse(source: str, filename: str) -> ast.Module:
         return ast.parse(source, filename)
 EXCLUDED = frozenset({"lmforge.tracking", "trainer.metrics", "lmforge.log", "lmforge.provenance", "lmforge.errors",
                       "trainer.errors", "lmforge.fingerprint", "lmforge.interrupt", "lmforge.lease", "lmforge.gc",
-                      "lmforge.monitoring", "trainer.monitoring", "tasks"})
+                      "lmforge.owner",
+                      "lmforge.monitoring", "trainer.monitoring", "tasks", "tasks.evaluation.tracking"})
 
 #: Libraries whose version shapes an output: import name -> distribution name.
 LIBRARIES = {"torch": "torch", "transformers": "transformers", "trl": "trl", "peft": "peft",

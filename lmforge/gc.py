@@ -1,9 +1,9 @@
 """Garbage: what killed runs leave behind, and what finished artifacts no longer need.
 
 Every staging folder (`{store}/_staging/` on a local store, `$LMFORGE_WORK_DIR|$TMPDIR/lmforge-staging/` for an
-object store) and every training scratch folder (`.../lmforge-train/`) carries `owner.json`: the host, pid and
-process start time of the run that made it, and the artifact it builds. A folder is a leftover when its owner is
-gone: on this host, the process no longer exists (or the pid was reused by another process); on another host
+object store) and every training scratch folder (`.../lmforge-train/`) carries `owner.json` (`lmforge.owner`): the
+host, pid and process start time of the run that made it, and the artifact it builds. A folder is a leftover when its
+owner is gone: on this host, the process no longer exists (or the pid was reused by another process); on another host
 (a local store shared over NFS), the artifact's lease is absent or expired. A folder without `owner.json` (killed
 between its mkdir and the record) is a leftover once it is older than the lease expiry. A live run's folders are
 never touched.
@@ -21,52 +21,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from lmforge.lease import TTL_SECONDS
+from lmforge.owner import OWNER, process_gone, work_base
 from lmforge.store import CHECKPOINTS, HISTORY, LEASE, MANIFEST, ArtifactStore
 
 log = logging.getLogger(__name__)
-
-OWNER = "owner.json"
-
-
-def work_base(name: str) -> Path:
-    """A host-local scratch area: `$LMFORGE_WORK_DIR/<name>` or `<temp dir>/<name>`."""
-    return Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / name
-
-
-def process_started(pid: int) -> float | None:
-    """The start time of process `pid` on this host, or None when there is no such process."""
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def process_gone(pid: int, started: float | None) -> bool:
-    """Process `pid` (started at `started`, when known) no longer exists on this host: no such pid, or the pid
-    now belongs to a process started at another time."""
-    now = process_started(pid)
-    return now is None or (started is not None and abs(now - started) > 1)
-
-
-def claim(folder: Path, kind: str, aid: str) -> None:
-    """Write `owner.json` into a fresh scratch folder: who made it, for which artifact."""
-    record = {"host": platform.node(), "pid": os.getpid(), "pid_started": process_started(os.getpid()), "kind": kind,
-              "artifact_id": aid, "created": time.time()}
-    tmp = folder / f".{OWNER}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, folder / OWNER)
-
 
 def _lease_live(store: ArtifactStore | None, kind: str, aid: str) -> bool:
     if store is None:
@@ -81,8 +47,6 @@ def _lease_live(store: ArtifactStore | None, kind: str, aid: str) -> bool:
 
 def orphaned(folder: Path, store: ArtifactStore | None = None) -> str | None:
     """Why `folder` is a leftover of a run that is gone, or None while its run may still be using it."""
-    from lmforge.lease import TTL_SECONDS
-
     try:
         owner = json.loads((folder / OWNER).read_text())
     except FileNotFoundError:

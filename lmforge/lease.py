@@ -27,6 +27,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict
 
 from lmforge.errors import LmforgeError
+from lmforge.owner import process_gone, process_started
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ class LeaseLost(LmforgeError):
 
 def _holder_is_gone(held: dict[str, Any]) -> bool:
     """A holder on this host whose process no longer exists (kill -9) need not be waited for until its expiry."""
-    from lmforge.gc import process_gone
-
     if held.get("host") != platform.node() or not isinstance(held.get("pid"), int):
         return False
     return process_gone(held["pid"], held.get("pid_started"))
@@ -62,8 +61,6 @@ class Lease:
     # ---- the record
     def _record(self) -> dict[str, Any]:
         now = time.time()
-        from lmforge.gc import process_started
-
         return {"owner": self.owner, "run": self.run, "host": platform.node(), "pid": os.getpid(),
                 "pid_started": process_started(os.getpid()),
                 "since": getattr(self, "_since", now), "heartbeat": now, "expires": now + self.ttl}

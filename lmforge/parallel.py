@@ -179,7 +179,7 @@ class DaskMapper(Mapper):
 
 
 def in_dask_worker() -> bool:
-    if "distributed" not in sys.modules:  # a Dask worker has imported it; importing it here costs ~1 s
+    if "distributed" not in sys.modules:  # a Dask worker has imported it; importing it here is slow
         return False
     from distributed import get_worker
     try:

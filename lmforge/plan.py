@@ -15,7 +15,8 @@ from lmforge.config import PipelineConfig
 from lmforge.datasets import DatasetInput, resolve_dataset
 from lmforge.errors import ConfigError
 from lmforge.fingerprint import CodeFingerprint
-from lmforge.stage import Port, StageDef
+from lmforge.port import Port
+from lmforge.stage import StageDef
 from lmforge.store import Artifact, ArtifactStore, _now, artifact_id
 
 

@@ -204,29 +204,33 @@ def normalize(kind: str, row: Any, columns: dict[str, str] | None = None) -> dic
     raise SchemaError(f"unknown data kind {kind!r}")
 
 
-class RecordWriter:
-    """Writes records into `out/records/part-NNNNN.jsonl`, `part_records` per part."""
+class PartWriter:
+    """Lines into `out/<folder>/part-NNNNN.jsonl`, `part_records` per part: the layout of a records artifact
+    (`folder` records) and of a stage's other line files (removed, pairs). Lines are written as given, so a stage
+    that keeps a record copies its bytes unchanged instead of decoding and encoding it again."""
 
-    def __init__(self, out: Path, part_records: int = 100_000):
-        self.dir = out / PART_DIR
+    def __init__(self, out: Path, part_records: int = 100_000, folder: str = PART_DIR):
+        self.folder = folder
+        self.dir = out / folder
         self.dir.mkdir(parents=True, exist_ok=True)
         self.part_records = part_records
         self.count = 0
         self.parts: list[str] = []
         self._f = None
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write_line(self, line: bytes) -> None:
+        """One line, its newline added when it has none."""
         if self._f is None or self.count % self.part_records == 0:
             self._roll()
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._f.write(line if line.endswith(b"\n") else line + b"\n")
         self.count += 1
 
     def _roll(self) -> None:
         if self._f:
             self._f.close()
         name = f"part-{len(self.parts):05d}.jsonl"
-        self.parts.append(f"{PART_DIR}/{name}")
-        self._f = open(self.dir / name, "w", encoding="utf-8")
+        self.parts.append(f"{self.folder}/{name}")
+        self._f = open(self.dir / name, "wb")
 
     def close(self) -> None:
         if self._f:
@@ -238,6 +242,22 @@ class RecordWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RecordWriter(PartWriter):
+    """Writes records into `out/records/part-NNNNN.jsonl`, `part_records` per part, as UTF-8 JSON."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.write_line(json.dumps(record, ensure_ascii=False).encode("utf-8"))
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """A record as RecordWriter writes it, escaped where UTF-8 cannot hold it (a lone surrogate), so the record
+    survives as it is."""
+    try:
+        return json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(record).encode("ascii")
 
 
 def part_names(artifact: Artifact) -> list[str]:

@@ -16,7 +16,8 @@ from typing import IO, Any, Iterable, Iterator
 import fsspec
 from pydantic import BaseModel, ConfigDict
 
-from lmforge.store import Artifact, filesystem, mismatch_error, read_verified
+from lmforge.store import Artifact, filesystem
+from lmforge.verified import mismatch_error, read_verified
 
 SPLITS = ("train", "validation")
 OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs")

@@ -18,21 +18,11 @@ from pydantic import BaseModel, ConfigDict
 
 from lmforge.config import StageConfig
 from lmforge.datasets import DatasetInput
+from lmforge.port import Port
 from lmforge.store import Artifact
 from lmforge.store import ArtifactStore as Store
 
 Input = Union[DatasetInput, Artifact]
-
-
-@dataclass(frozen=True)
-class Port:
-    """What flows along an edge of the DAG: an artifact type and, for data, its record kind."""
-
-    type: str  # dataset | records | shards | ... (training types come with their stages)
-    data_kind: str | None = None
-
-    def describe(self) -> str:
-        return f"{self.data_kind} {self.type}" if self.data_kind else self.type
 
 
 class Result(BaseModel):

@@ -16,15 +16,16 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Iterator
 
 import fsspec
 
 from lmforge.errors import ArtifactError
+from lmforge.owner import claim, work_base
+from lmforge.verified import VerifyingReader, mismatch_error, read_verified
 
 log = logging.getLogger(__name__)
 
@@ -125,84 +126,6 @@ def folder_fingerprint(folder: Path) -> str | None:
     return "sha256:" + h.hexdigest()[:32]
 
 
-SPOOL_BYTES = 64 * 2**20  # a verified copy stays in memory up to this size, then spills to a temporary file
-
-
-def mismatch_error(artifact: str, file: str, location: str, got: tuple[int, str] | None, want: tuple[int, str],
-                   stage: str | None = None) -> ArtifactError:
-    """The error for a file whose bytes are not what its manifest lists: which artifact, which file, and the fix.
-    `got` is (bytes, sha256) as read, None when the file is missing."""
-    if got is None:
-        what = f"is missing ({location}); the manifest lists {want[0]} bytes, sha256 {want[1][:12]}…"
-    else:
-        what = (f"content does not match its manifest (read {got[0]} bytes, sha256 {got[1][:12]}…; the manifest says "
-                f"{want[0]} bytes, {want[1][:12]}…) at {location}")
-    rerun = (f"rerun stage '{stage}' with --force (`lmforge run <config> --force {stage}`)" if stage
-             else "rerun the stage that produced it with --force")
-    return ArtifactError(f"artifact {artifact}, file {file}: {what}. The artifact was modified or damaged after it "
-                         f"was published; {rerun}.")
-
-
-class VerifyingReader(io.RawIOBase):
-    """Raw reader that hashes what passes through and checks byte count and sha256 when it reaches EOF (or at
-    `finish`). For streams whose consumer may act on bytes before the end; `read_verified` checks first."""
-
-    def __init__(self, f: IO[bytes], size: int, sha256: str, mismatch: Callable[[int, str], Exception]):
-        super().__init__()
-        self._f, self._size, self._sha, self._mismatch = f, size, sha256, mismatch
-        self._h = hashlib.sha256()
-        self._n = 0
-        self._checked = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        b = self._f.read(len(buf))
-        n = len(b)
-        buf[:n] = b
-        self._h.update(b)
-        self._n += n
-        if n == 0 and not self._checked:
-            self._check()
-        return n
-
-    def finish(self) -> None:
-        """Read what the consumer left, and check."""
-        while self.read(1 << 20):
-            pass
-        if not self._checked:
-            self._check()
-
-    def _check(self) -> None:
-        self._checked = True
-        if self._n != self._size or self._h.hexdigest() != self._sha:
-            raise self._mismatch(self._n, self._h.hexdigest())
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-def read_verified(f: IO[bytes], size: int, sha256: str, mismatch: Callable[[int, str], Exception]) -> IO[bytes]:
-    """A copy of the stream `f`, checked against (size, sha256) before anyone reads it: one pass that hashes the
-    bytes as they are copied, in memory up to SPOOL_BYTES, then in a temporary file. Returned at position 0."""
-    buf = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
-    h, n = hashlib.sha256(), 0
-    try:
-        while b := f.read(1 << 20):
-            h.update(b)
-            n += len(b)
-            buf.write(b)
-        if n != size or h.hexdigest() != sha256:
-            raise mismatch(n, h.hexdigest())
-    except BaseException:
-        buf.close()
-        raise
-    buf.seek(0)
-    return buf
-
-
 class Artifact:
     """A finished artifact, read through its manifest."""
 
@@ -266,7 +189,7 @@ class Artifact:
 
     def open_verified(self, rel: str) -> IO[bytes]:
         """A copy of a file, already checked against the manifest (size and sha256) before its first byte is
-        used: one read, hashed as it is copied (in memory up to SPOOL_BYTES, else a temporary file)."""
+        used: one read, hashed as it is copied (in memory up to lmforge.verified.SPOOL_BYTES, else a temporary file)."""
         e = self._entry(rel)
         with self._open_raw(rel) as f:
             return read_verified(f, e["bytes"], e["sha256"], lambda n, h: self.mismatch(rel, (n, h)))
@@ -370,19 +293,15 @@ class ArtifactStore:
     @contextlib.contextmanager
     def staging(self, kind: str, aid: str) -> Iterator[Path]:
         """A fresh local folder to write an artifact into (`<staging>/<kind>-<id>-<random>/out/`, next to the
-        `owner.json` of `lmforge.gc`); removed afterwards, whatever happens, and by the next run after a kill -9."""
-        if self.local:
-            base = Path(self.root) / "_staging"
-            base.mkdir(parents=True, exist_ok=True)  # same filesystem: publish is a rename
-        else:
-            base = Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / "lmforge-staging"
-            base.mkdir(parents=True, exist_ok=True)
+        `owner.json` of `lmforge.owner`); removed afterwards, whatever happens, and by the next run after a kill -9
+        (`lmforge.gc`)."""
+        # a local store stages on its own filesystem, so publish is a rename
+        base = Path(self.root) / "_staging" if self.local else work_base("lmforge-staging")
+        base.mkdir(parents=True, exist_ok=True)
         path = base / f"{kind}-{aid}-{uuid.uuid4().hex[:8]}"
         path.mkdir()
         try:
-            from lmforge import gc
-
-            gc.claim(path, kind, aid)  # whose it is: a rerun removes it if this process dies (kill -9)
+            claim(path, kind, aid)  # whose it is: a rerun removes it if this process dies (kill -9)
             (path / "out").mkdir()
             yield path / "out"
         finally:

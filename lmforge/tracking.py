@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from lmforge.owner import process_gone, process_started
+
 log = logging.getLogger(__name__)
 
 SECRET_NAME = re.compile(r"(secret|password|passwd|token|api[_-]?key|access[_-]?key|credential|private[_-]?key)", re.I)
@@ -108,8 +110,6 @@ def _sqlite_init_lock(uri: str):
 
 
 def _process_tags() -> dict[str, str]:
-    from lmforge.gc import process_started
-
     started = process_started(os.getpid())
     return {"lmforge.host": platform.node(), "lmforge.pid": str(os.getpid()),
             "lmforge.pid_started": f"{started:.3f}" if started else ""}
@@ -266,8 +266,6 @@ class Tracker:
     def end_runs_of_dead_processes(self) -> list[str]:
         """Runs left RUNNING by a process that died without ending them (kill -9, the OOM killer, a lost node): on
         this host, a run whose process is gone is set KILLED, with a note. Returns their ids."""
-        from lmforge.gc import process_gone
-
         with self.lock:
             running = self.client.search_runs([self.experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
             ended = []

@@ -47,20 +47,19 @@ from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.errors import ConfigError, DataError
 from lmforge.log import Progress
-from lmforge.records import PART_DIR, part_names
-from lmforge.stage import Port, Result, StageDef, StageRuntime, expect_inputs
+from lmforge.port import Port
+from lmforge.records import PartWriter, encode_record, part_names
+from lmforge.stage import Result, StageDef, StageRuntime, expect_inputs
 from lmforge.store import Artifact, folder_fingerprint
 from tasks.overlap import MinHashIndex, NgramIndex
-from trainer import evaluate as ev
+from tasks.evaluation import lmeval_tasks as ev
+from tasks.evaluation.lmeval_tasks import SHIPPED_TASKS
 
 if TYPE_CHECKING:  # pragma: no cover
     from lm_eval.api.task import Task
 
 log = logging.getLogger(__name__)
 
-#: lmforge's own lm-eval tasks; the same folder as tasks.eval.SHIPPED_TASKS (not imported, so that an edit of the
-#: eval stage does not change this stage's code fingerprint)
-SHIPPED_TASKS = Path(__file__).resolve().parent.parent / "configs" / "eval_tasks"
 BATCH_RECORDS = 2048  # records matched at once
 REPORT_DOCS = 20  # eval document indices listed per contamination row
 FLAG_FIELD = "contaminated"
@@ -236,35 +235,6 @@ def _batches(src: Artifact, kind: str) -> Iterator[tuple[list[bytes], list[dict[
         yield lines, recs, texts
 
 
-class _Parts:
-    """`out/records/part-NNNNN.jsonl`, `part_records` lines each (RecordWriter's layout), written as given bytes so
-    that untouched records stay byte for byte what came in."""
-
-    def __init__(self, out: Path, part_records: int):
-        self.dir, self.part_records, self.count, self._f = out / PART_DIR, part_records, 0, None
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def write(self, line: bytes) -> None:
-        if self.count % self.part_records == 0:
-            self.close()
-            self._f = open(self.dir / f"part-{self.count // self.part_records:05d}.jsonl", "wb")
-        self._f.write(line if line.endswith(b"\n") else line + b"\n")
-        self.count += 1
-
-    def close(self) -> None:
-        if self._f:
-            self._f.close()
-            self._f = None
-
-
-def _encode(rec: dict[str, Any]) -> bytes:
-    """A record as RecordWriter writes it; escaped where UTF-8 cannot hold it (a lone surrogate)."""
-    try:
-        return json.dumps(rec, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(rec).encode("ascii")
-
-
 def _rows(g: int, rec: dict[str, Any], items: EvalItems, ngram_hits: list, near_hits: list) -> list[dict[str, Any]]:
     """contamination.jsonl rows of one record: one per task and method, naming the closest document."""
     by_task: dict[tuple[int, str], list] = {}
@@ -316,7 +286,7 @@ def run(cfg: DecontaminateConfig, inputs: list[Artifact], out: Path,
 
     n = contaminated = 0
     per_task: Counter = Counter()
-    kept = _Parts(out, cfg.part_records)
+    kept = PartWriter(out, cfg.part_records)
     progress = Progress(log, f"decontaminate {src.kind}/{src.id}", total=int(src.result.get("records", 0)) or None)
     with open(out / "contamination.jsonl", "w", encoding="utf-8") as report:
         for lines, recs, texts in _batches(src, kind):
@@ -327,7 +297,7 @@ def run(cfg: DecontaminateConfig, inputs: list[Artifact], out: Path,
                 rows = _rows(n, rec, items, a, b) if a or b else []
                 n += 1
                 if not rows:
-                    kept.write(line)
+                    kept.write_line(line)
                     continue
                 contaminated += 1
                 tasks = sorted({r["task"] for r in rows})
@@ -335,7 +305,7 @@ def run(cfg: DecontaminateConfig, inputs: list[Artifact], out: Path,
                 for r in rows:
                     report.write(json.dumps(r, ensure_ascii=True) + "\n")
                 if cfg.action == "flag":
-                    kept.write(_encode({**rec, FLAG_FIELD: tasks}))
+                    kept.write_line(encode_record({**rec, FLAG_FIELD: tasks}))
             progress.update(len(lines))
     kept.close()
     progress.done()

@@ -36,7 +36,7 @@ for every worker count, in input order.
 """
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 import multiprocessing
 import signal
@@ -52,10 +52,12 @@ from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.errors import DataError
 from lmforge.log import Progress
-from lmforge.records import ROLES, RecordWriter, iter_part, part_names
-from lmforge.stage import Port, Result, StageDef, expect_inputs
+from lmforge.port import Port
+from lmforge.records import ROLES, PartWriter, RecordWriter, encode_record, iter_part, part_names
+from lmforge.stage import Result, StageDef, expect_inputs
 from lmforge.store import Artifact
 from tasks import filter_rules as fr
+from tasks.filter_rewrite import LINE_RULES, PiiMasker, c4_lines
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +160,7 @@ class Engine:
             checks.append(fr.lorem_ipsum)
         self.checks = checks
         self.c4 = r.c4 if kind == "text" and r.c4.enabled else None
-        self.pii = fr.PiiMasker(cfg.pii) if cfg.pii.email or cfg.pii.ip else None
+        self.pii = PiiMasker(cfg.pii) if cfg.pii.email or cfg.pii.ip else None
 
     def _fields(self, rec: dict[str, Any]) -> list[tuple[str, str]] | tuple[str, None]:
         """[(field name, value)] of the checked fields, or (bad field name, None) when the schema is off."""
@@ -200,7 +202,7 @@ class Engine:
             reject = self._first_failure(texts)
             clean = {name: t.s for name, t in texts}
             if reject is None and self.c4 is not None:
-                c4 = fr.c4_lines(clean["text"], self.c4, texts[0][1].lower)
+                c4 = c4_lines(clean["text"], self.c4, texts[0][1].lower)
                 if c4.reason:
                     reject = (c4.reason, "text")
                 else:
@@ -272,42 +274,27 @@ def _work(records: list[dict[str, Any]]) -> ChunkResult:
 
 
 class _RejectWriter:
-    """`rejected/part-NNNNN.jsonl`. Escapes what UTF-8 cannot hold, so the original record survives as is."""
+    """`rejected/part-NNNNN.jsonl`, its folder made with the first rejected record. Escapes what UTF-8 cannot hold,
+    so the original record survives as is."""
 
     def __init__(self, out: Path, part_records: int):
-        self.dir = out / REJECTED_DIR
-        self.part_records = part_records
-        self.count = 0
-        self._f = None
+        self.out, self.part_records = out, part_records
+        self._parts: PartWriter | None = None
 
     def write(self, rec: dict[str, Any]) -> None:
-        if self._f is None or self.count % self.part_records == 0:
-            if self._f:
-                self._f.close()
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.dir / f"part-{self.count // self.part_records:05d}.jsonl", "w", encoding="utf-8")
-        line = json.dumps(rec, ensure_ascii=False)
-        try:
-            self._f.write(line + "\n")
-        except UnicodeEncodeError:
-            self._f.write(json.dumps(rec) + "\n")
-        self.count += 1
+        if self._parts is None:
+            self._parts = PartWriter(self.out, self.part_records, REJECTED_DIR)
+        self._parts.write_line(encode_record(rec))
 
     def close(self) -> None:
-        if self._f:
-            self._f.close()
-            self._f = None
+        if self._parts is not None:
+            self._parts.close()
 
 
 def _chunks(src: Artifact) -> Iterator[list[dict[str, Any]]]:
-    chunk: list[dict[str, Any]] = []
-    for part in part_names(src):
-        for rec in iter_part(src, part):
-            chunk.append(rec)
-            if len(chunk) == CHUNK_RECORDS:
-                yield chunk
-                chunk = []
-    if chunk:
+    """The input's records in lists of CHUNK_RECORDS (the last one shorter), each part verified before use."""
+    records = (rec for part in part_names(src) for rec in iter_part(src, part))
+    while chunk := list(itertools.islice(records, CHUNK_RECORDS)):
         yield chunk
 
 
@@ -370,7 +357,7 @@ def run(cfg: FilterConfig, inputs: list[Artifact], out: Path) -> FilterResult:
         log.warning("filter dropped every record (%s); the next stage will have no data", dropped)
     return FilterResult(
         data_kind=kind, input_records=n_in, records=kept, dropped=dropped,
-        lines_removed={k: totals.lines_removed[k] for k in fr.LINE_RULES if totals.lines_removed[k]},
+        lines_removed={k: totals.lines_removed[k] for k in LINE_RULES if totals.lines_removed[k]},
         pii_masked={"email": totals.pii["email"], "ip": totals.pii["ip"]},
         citations_removed=totals.citations, surrogates_replaced=totals.surrogates)
 

@@ -28,9 +28,11 @@ from lmforge.config import StageConfig
 from lmforge.datasets import DatasetInput, SourceFile, combined_sha256, saved_dataset_files
 from lmforge.errors import DataError
 from lmforge.log import Progress
+from lmforge.port import Port
 from lmforge.records import RecordWriter, SchemaError, normalize
-from lmforge.stage import Port, Result, StageDef, expect_inputs
-from lmforge.store import VerifyingReader, filesystem, read_verified
+from lmforge.stage import Result, StageDef, expect_inputs
+from lmforge.store import filesystem
+from lmforge.verified import VerifyingReader, read_verified
 
 log = logging.getLogger(__name__)
 MAX_EXAMPLES = 20

@@ -56,21 +56,24 @@ def normalize_text(text: str) -> str:
 # mixing functions (uint arrays; numpy wraps on overflow, which is the intended arithmetic)
 
 
+def _fmix(h: np.ndarray, word: type, shifts: tuple[int, int, int], mults: tuple[int, int]) -> np.ndarray:
+    """MurmurHash3's finalizer in `word` arithmetic: xor-shift, multiply, xor-shift, multiply, xor-shift."""
+    first, second, third = (word(k) for k in shifts)
+    h = h ^ (h >> first)
+    h = h * word(mults[0])
+    h = h ^ (h >> second)
+    h = h * word(mults[1])
+    return h ^ (h >> third)
+
+
 def fmix64(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint64(33))
-    h = h * np.uint64(0xFF51AFD7ED558CCD)
-    h = h ^ (h >> np.uint64(33))
-    h = h * np.uint64(0xC4CEB9FE1A85EC53)
-    return h ^ (h >> np.uint64(33))
+    """MurmurHash3's 64-bit finalizer."""
+    return _fmix(h, np.uint64, (33, 33, 33), (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53))
 
 
 def fmix32(h: np.ndarray) -> np.ndarray:
     """MurmurHash3's 32-bit finalizer, as datasketch applies it to every input hash (affine32)."""
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
+    return _fmix(h, np.uint32, (16, 13, 16), (0x85EBCA6B, 0xC2B2AE35))
 
 
 @functools.lru_cache(maxsize=8)

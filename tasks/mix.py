@@ -50,9 +50,10 @@ from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.errors import DataError
 from lmforge.log import Progress
-from lmforge.records import PART_DIR, part_names
+from lmforge.port import Port
+from lmforge.records import PartWriter, part_names
 from lmforge.shards import SPLITS, iter_samples, shard_name
-from lmforge.stage import Port, Result, StageDef
+from lmforge.stage import Result, StageDef
 from lmforge.store import Artifact, sha256_file
 
 log = logging.getLogger(__name__)
@@ -294,26 +295,6 @@ def _is_shards(art: Artifact) -> bool:
     return art.manifest.get("output", {}).get("type") == "shards" or bool(art.result.get("shards"))
 
 
-class _Parts:
-    """`records/part-NNNNN.jsonl`, `part_records` lines each (RecordWriter's layout), written as raw lines."""
-
-    def __init__(self, out: Path, part_records: int):
-        self.dir, self.part_records, self.count, self._f = out / PART_DIR, part_records, 0, None
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def write(self, line: bytes) -> None:
-        if self.count % self.part_records == 0:
-            self.close()
-            self._f = open(self.dir / f"part-{self.count // self.part_records:05d}.jsonl", "wb")
-        self._f.write(line)
-        self.count += 1
-
-    def close(self) -> None:
-        if self._f:
-            self._f.close()
-            self._f = None
-
-
 def _write_shards(out: Path, split: str, lines: Iterator[bytes], cfg: MixConfig) -> list[dict[str, Any]]:
     """One split as webdataset tars named as `shard` names them, with mtime 0 (byte-identical reruns)."""
     import tarfile
@@ -382,12 +363,9 @@ def run(cfg: MixConfig, inputs: list[Artifact], out: Path, runtime: Any = None) 
                      "num_shards": {sp: sum(1 for x in shards if x["split"] == sp) for sp in SPLITS},
                      "bytes": sum(x["bytes"] for x in shards), "shards": shards}
         else:
-            parts = _Parts(out, cfg.part_records)
-            try:
+            with PartWriter(out, cfg.part_records) as parts:
                 for line in lines:
-                    parts.write(line)
-            finally:
-                parts.close()
+                    parts.write_line(line)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     sources = {s: SourceReport(input=f"{a.kind}/{a.id}", records_in=sizes[s], records_out=counts[s],

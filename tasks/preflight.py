@@ -45,7 +45,8 @@ from pydantic import Field
 
 from lmforge.config import StageConfig
 from lmforge.errors import DataError
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.port import Port
+from lmforge.stage import Result, StageDef, StageRuntime
 from lmforge.store import Artifact
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def run(cfg: PreflightConfig, inputs: list[Artifact], out: Path, runtime: StageR
         reload_ok = generation_ok = False
         try:
             if cfg.target["kind"] in NOT_GENERATIVE:
-                from trainer.reward import load_reward_model
+                from trainer.preference import load_reward_model
 
                 model, tok = load_reward_model(model_out)
                 reload_ok = True
@@ -267,8 +268,7 @@ def _estimate(cfg: PreflightConfig, tcfg, inputs: list[Artifact], runtime: Stage
 
 
 def _shape(tcfg, inputs: list[Artifact], stage: str):
-    from flows.estimate import source_shape
-    from trainer.estimate import shape_from_config
+    from trainer.shapes import shape_from_config, source_shape
 
     vocab = None
     for a in inputs:

@@ -18,9 +18,10 @@ from pydantic import Field
 from lmforge import interrupt
 from lmforge.config import StageConfig
 from lmforge.log import Progress
+from lmforge.port import Port
 from lmforge.records import iter_records, require_records
 from lmforge.shards import SPLITS, shard_name
-from lmforge.stage import Port, Result, StageDef, expect_inputs
+from lmforge.stage import Result, StageDef, expect_inputs
 from lmforge.store import Artifact, sha256_file
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from lmforge.config import StageConfig
 from lmforge.errors import DataError
 from lmforge.log import Progress
 from lmforge.shards import iter_samples
-from lmforge.stage import Port, Result, StageDef, expect_inputs
+from lmforge.port import Port
+from lmforge.stage import Result, StageDef, expect_inputs
 from lmforge.store import Artifact
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Peak accelerator memory of a training stage, from the model's config alone (no weights, no torch).
 
-Used by `lmforge estimate` (flows/estimate.py) before anyone rents a GPU. Everything is in bytes per GPU and
+Used by `lmforge estimate` (trainer/pipeline_estimate.py) before anyone rents a GPU. Everything is in bytes per GPU and
 is a plain function of a `ModelShape` and the stage's settings, so it is testable by hand.
 
 Notation: P parameters, h hidden_size, L layers, a attention heads, k key/value heads, d head_dim,
@@ -105,15 +105,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from trainer.errors import SettingError
+from trainer.shapes import ModelShape
 
 GIB = 2**30
 MIB = 2**20
 CUDA_CONTEXT_MIB = 600  # CUDA context + cuBLAS/cuDNN workspaces + loaded kernels, as nvidia-smi shows them
 # What a CPU training process's RSS gains in its first steps beyond its tensors (OpenMP/oneDNN runtime, kernels'
 # scratch; bitsandbytes' CPU backend adds its own). Measured the way the preflight measures, on a model whose tensors
-# are negligible (TRL SFTTrainer, a 1-layer hidden-64 llama, 16 tokens, 3 steps, mmap threshold pinned): 16 MiB of
-# RSS above the baseline for full and LoRA, 23.5 for QLoRA, with 1 or 2 threads alike; less ~0.5 MiB of tensors.
+# are negligible (TRL SFTTrainer, a 1-layer hidden-64 llama, 16 tokens, 3 steps, mmap threshold pinned), less its
+# tensors; the same with 1 or 2 threads.
 CPU_RUNTIME_MIB = 15
 CPU_BNB_RUNTIME_MIB = 8
 FRAGMENTATION = 0.10  # the caching allocator's fragmentation and rounding, as a fraction of the tensors
@@ -130,138 +130,6 @@ COMPONENTS = ("weights", "gradients", "optimizer", "adapter", "activations", "ot
 AttnImpl = Literal["sdpa", "flash_attention_2", "eager"]
 Sharding = Literal["none", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op"]
 Device = Literal["cuda", "cpu"]
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: model types whose decoder has the llama layout (separate q/k/v/o, a gated or plain MLP, RMSNorm)
-LLAMA_FAMILY = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-                          "phi3", "olmo", "olmo2", "granite", "cohere", "stablelm", "smollm3", "starcoder2",
-                          "internlm2", "deepseek", "yi"})
-NON_GATED = frozenset({"starcoder2", "stablelm"})
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the memory and FLOPs formulas need from a model config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    tie_word_embeddings: bool
-    gated_mlp: bool = True
-    attention_bias: bool = False
-    source: str = ""
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer of one decoder layer, by peft's module name."""
-        h, qd, kd, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.intermediate_size
-        out = {"q_proj": (h, qd), "k_proj": (h, kd), "v_proj": (h, kd), "o_proj": (qd, h), "up_proj": (h, i),
-               "down_proj": (i, h)}
-        if self.gated_mlp:
-            out["gate_proj"] = (h, i)
-        return out
-
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: its linears, their biases and two norms."""
-        n = sum(i * o for i, o in self.linears().values()) + 2 * self.hidden_size
-        if self.attention_bias:
-            n += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        return n
-
-    def linear_params(self) -> int:
-        """Weights of every decoder linear layer (the ones QLoRA quantizes)."""
-        return self.num_layers * sum(i * o for i, o in self.linears().values())
-
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def head_params(self) -> int:
-        """lm_head weights that are not the embeddings (0 when tied)."""
-        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-
-    def backbone_params(self) -> int:
-        """Everything but lm_head: embeddings, layers, final norm."""
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size
-
-    def params(self) -> int:
-        return self.backbone_params() + self.head_params()
-
-    def score_model_params(self) -> int:
-        """A reward/value model on this backbone: a 1-wide score head instead of lm_head."""
-        return self.backbone_params() + self.hidden_size
-
-    def matmul_params(self, lm_head: bool = True) -> int:
-        """Parameters used in a matmul per token (FLOPs): the layers' linears and the head (tied or not)."""
-        return self.linear_params() + (self.vocab_size * self.hidden_size if lm_head else self.hidden_size)
-
-    def lora_params(self, rank: int, targets: list[str] | str) -> int:
-        linears = self.linears()
-        names = list(linears) if targets == "all-linear" else [t.rsplit(".", 1)[-1] for t in targets]
-        unknown = [t for t in names if t not in linears]
-        if unknown:
-            raise SettingError("lora.target_modules", f"{', '.join(unknown)} not among the linear layers the "
-                               f"estimate knows for {self.model_type} ({', '.join(linears)}); use those names or "
-                               "all-linear")
-        return self.num_layers * sum(rank * (linears[t][0] + linears[t][1]) for t in names)
-
-
-def shape_from_config(cfg: dict[str, Any], source: str, vocab_size: int | None = None) -> ModelShape:
-    """A ModelShape from a transformers config dict (a config.json, a `base_model.config`, AutoConfig.to_dict()).
-
-    `vocab_size` fills a missing vocab_size (a config-built model takes its tokenizer's size)."""
-    cfg = dict(cfg.get("text_config") or cfg) if isinstance(cfg.get("text_config"), dict) else dict(cfg)
-    model_type = str(cfg.get("model_type", ""))
-    if model_type not in LLAMA_FAMILY:
-        raise SettingError("base_model", f"model_type {model_type!r} ({source}): the estimate knows the llama-style "
-                           f"decoder layout only ({', '.join(sorted(LLAMA_FAMILY))}); use one of those or add "
-                           "its layout to trainer/estimate.py")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-               if cfg.get(k) is None]
-    if missing or (cfg.get("vocab_size") is None and vocab_size is None):
-        cfg = {**_defaults(model_type), **cfg}  # what transformers fills in when it builds this config
-    vocab = cfg.get("vocab_size") if cfg.get("vocab_size") is not None else vocab_size
-    h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    return ModelShape(
-        model_type=model_type, vocab_size=int(vocab), hidden_size=h, num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or h // heads), intermediate_size=int(cfg["intermediate_size"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), gated_mlp=model_type not in NON_GATED,
-        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")), source=source)
-
-
-def _defaults(model_type: str) -> dict[str, Any]:
-    """transformers' defaults for a model type (imports transformers: only when a config leaves fields out)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type).to_dict()
-
-
-def shape_from_gguf(path: str, source: str) -> ModelShape:
-    """A ModelShape from a GGUF file's metadata (the `gguf` package reads the header; tensors stay on disk)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-
-    def value(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return f.contents() if f is not None else default
-
-    arch = value("general.architecture")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    heads = int(value(f"{arch}.attention.head_count"))
-    h = int(value(f"{arch}.embedding_length"))
-    cfg = {"model_type": "llama" if arch not in LLAMA_FAMILY else arch, "hidden_size": h,
-           "num_hidden_layers": int(value(f"{arch}.block_count")), "num_attention_heads": heads,
-           "num_key_value_heads": int(value(f"{arch}.attention.head_count_kv", heads)),
-           "head_dim": int(value(f"{arch}.attention.key_length", h // heads)),
-           "intermediate_size": int(value(f"{arch}.feed_forward_length")),
-           "vocab_size": len(tokens.data) if tokens is not None else None,
-           "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
-    return shape_from_config(cfg, source)
 
 
 # ----------------------------------------------------------------------------------------------

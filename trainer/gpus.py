@@ -39,7 +39,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmforge.errors import ConfigError
-from trainer.estimate import GIB, ModelShape, Plan, estimate_memory
+from trainer.estimate import GIB, Plan, estimate_memory
+from trainer.shapes import ModelShape
 
 REPO = Path(__file__).resolve().parent.parent
 CATALOG = REPO / "configs" / "gpus.yaml"

@@ -35,14 +35,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
-from lmforge import gc, interrupt
+from lmforge import interrupt
+from lmforge.owner import claim, work_base
 from trainer import checkpoint, determinism, distributed
 from trainer.errors import Preempted, SettingError, TrainingError
 from trainer.job import JobSpec
@@ -62,10 +62,9 @@ LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNI
 @contextlib.contextmanager
 def work_dir(stage: str, artifact_id: str) -> Iterator[Path]:
     """Local scratch for one attempt (spec, result, local checkpoints, downloads); removed afterwards."""
-    base = Path(os.environ.get("LMFORGE_WORK_DIR") or tempfile.gettempdir()) / "lmforge-train"
-    path = base / f"{stage}-{artifact_id}-{uuid.uuid4().hex[:8]}"
+    path = work_base("lmforge-train") / f"{stage}-{artifact_id}-{uuid.uuid4().hex[:8]}"
     path.mkdir(parents=True)
-    gc.claim(path, stage, artifact_id)  # whose it is: the next run removes it if this process dies (kill -9)
+    claim(path, stage, artifact_id)  # whose it is: the next run removes it if this process dies (kill -9)
     try:
         yield path
     finally:

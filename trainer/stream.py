@@ -141,13 +141,9 @@ class PackedTextStream(IterableDataset):
 
 
 def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for x in items:
-        batch.append(x)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
+    """Lists of `n` items, the last one shorter."""
+    it = iter(items)
+    while batch := list(itertools.islice(it, n)):
         yield batch
 
 
