@@ -14,57 +14,26 @@ tokenizer and `lmforge_model.json` (`trained_with: dpo`); `trainer.models.load_t
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from lmforge.config import StageConfig
-from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
+from lmforge.port import Port
+from lmforge.stage import StageDef, StageRuntime
 from lmforge.store import Artifact
-from tasks.reward import check_inputs
-from tasks.sft import launch_training
+from tasks.training import PreferenceResult, TrainingConfig, check_preference_inputs, launch_training
 from trainer.settings import DpoSettings
 
-log = logging.getLogger(__name__)
 
-
-class DpoStageConfig(StageConfig, DpoSettings):
+class DpoStageConfig(TrainingConfig, DpoSettings):
     kind: Literal["dpo"] = Field(description="Direct preference optimization of an SFT model (TRL DPOTrainer).")
 
-    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | DpoSettings.RUN_ONLY
 
-    def trainer_settings(self) -> dict:
-        return self.model_dump(mode="json", include=set(DpoSettings.model_fields))
-
-
-class DpoResult(TrainedResult):
-    method: str
-    base_model: str
+class DpoResult(PreferenceResult):
     format: str
     reference: str
-    train_records: int
-    validation_records: int
-    skipped_identical_pairs: int
     dropped_prompt_too_long: int
-    train_pairs: int
-    validation_pairs: int
-    token_shards: str | None = None  # kind/id of the tokenize stage's token shards this stage streamed
-    steps: int
-    epochs: float
-    train_loss_first: float | None
-    train_loss_last: float | None
-    train_reward_accuracy_last: float | None
-    train_margin_last: float | None
-    eval_loss: float | None
-    eval_reward_accuracy: float | None
-    eval_margin: float | None
-    train_seconds: float
-    peak_memory_mb: float
-    trainable_parameters: int
-    resumed_from_step: int
-    checkpoints_uploaded: list[int]
 
 
 def run(cfg: DpoStageConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> DpoResult:
@@ -72,7 +41,7 @@ def run(cfg: DpoStageConfig, inputs: list[Artifact], out: Path, runtime: StageRu
 
 
 def output_port(cfg: DpoStageConfig, inputs: list[Port]) -> Port:
-    check_inputs("dpo", inputs)
+    check_preference_inputs("dpo", inputs)
     if cfg.base_model is not None:
         raise ValueError("dpo starts from the model it is given in inputs (an sft stage); remove base_model")
     if not any(p.type == "model" for p in inputs):

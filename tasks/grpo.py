@@ -19,96 +19,59 @@ Output: a `model` artifact like dpo's (`trained_with: grpo` or `rloo` in `lmforg
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from lmforge.config import StageConfig
-from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
+from lmforge.port import Port
+from lmforge.stage import StageDef, StageRuntime
 from lmforge.store import Artifact
-from tasks.sft import launch_training, model_source_identity
+from tasks.training import (RLResult, TrainingConfig, check_prompt_shards, launch_training, split_models,
+                            split_reward_model)
 from trainer.settings import GrpoSettings
 
-log = logging.getLogger(__name__)
 
-
-class GrpoStageConfig(StageConfig, GrpoSettings):
+class GrpoStageConfig(TrainingConfig, GrpoSettings):
     kind: Literal["grpo"] = Field(description="Online RL from rewards: GRPO or RLOO (TRL GRPOTrainer / "
                                   "RLOOTrainer).")
 
-    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | GrpoSettings.RUN_ONLY
-
     def settings(self) -> dict:
-        """As in sft: a base model enters the id by its content. Each reward function enters by its import
-        path and the sha256 of its source (when Python can show it)."""
+        """As in every training stage, a base model enters the id by its content. Each reward function enters by
+        its import path and the sha256 of its source (when Python can show it)."""
         from trainer.rewards import load_reward_function, source_sha256
 
-        out = model_source_identity(super().settings(), self.base_model, self.project_root)
+        out = super().settings()
         for entry in out["reward_functions"]:
             entry["source_sha256"] = source_sha256(load_reward_function(entry["function"]))
         return out
 
-    def trainer_settings(self) -> dict:
-        return self.model_dump(mode="json", include=set(GrpoSettings.model_fields))
 
-
-class GrpoResult(TrainedResult):
+class GrpoResult(RLResult):
     algorithm: str
-    method: str
-    base_model: str
-    format: str
     rewards: dict[str, str]  # metric name -> import path, or the reward model artifact
     reward_weights: dict[str, float]
-    train_records: int
-    validation_records: int
-    dropped_prompt_too_long: int
-    train_prompts: int
-    validation_prompts: int  # distinct validation prompts of the held-out check
     validation_prompts_seen_in_train: int
-    steps: int
-    epochs: float
     completions_per_step: int
     train_loss_first: float | None
     train_loss_last: float | None
-    train_reward_first: float | None
-    train_reward_last: float | None
-    train_kl_last: float | None
     train_completion_length_last: float | None
-    eval_reward_start: float | None
-    eval_reward_trained: float | None
     eval_reward_by_source_start: dict[str, float | None]
     eval_reward_by_source_trained: dict[str, float | None]
-    train_seconds: float
-    peak_memory_mb: float
-    trainable_parameters: int
-    resumed_from_step: int
-    checkpoints_uploaded: list[int]
-
-
-def is_reward_model(a: Artifact) -> bool:
-    return a.manifest.get("output", {}).get("data_kind") == "reward"
 
 
 def run(cfg: GrpoStageConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> GrpoResult:
-    reward_models = [a for a in inputs if is_reward_model(a)]
-    policy_inputs = [a for a in inputs if not is_reward_model(a)]
-    return GrpoResult(**launch_training("grpo", cfg, policy_inputs, out, runtime,
-                                        reward_model=reward_models[0] if reward_models else None))
+    policy_inputs, reward_model = split_reward_model(inputs)
+    return GrpoResult(**launch_training("grpo", cfg, policy_inputs, out, runtime, reward_model=reward_model))
 
 
 def output_port(cfg: GrpoStageConfig, inputs: list[Port]) -> Port:
-    shards = [p for p in inputs if p.type == "shards"]
-    if len(shards) != 1 or shards[0].data_kind not in ("preference", "chat"):
-        got = ", ".join(p.describe() for p in shards) or "none"
-        raise ValueError(f"grpo reads exactly one preference or chat shards input, for its prompts (got {got})")
+    check_prompt_shards("grpo", inputs)
     for i, p in enumerate(inputs):
         if p.type not in ("shards", "tokenizer", "model"):
             raise ValueError(f"input {i} is {p.describe()}; grpo reads shards, a tokenizer, a policy model and a "
                              "reward model")
-    policies = [p for p in inputs if p.type == "model" and p.data_kind != "reward"]
-    reward_models = [p for p in inputs if p.type == "model" and p.data_kind == "reward"]
+    policies, reward_models = split_models(inputs)
     if sum(p.type == "tokenizer" for p in inputs) > 1 or len(policies) > 1 or len(reward_models) > 1:
         raise ValueError("grpo takes at most one tokenizer, one policy model (e.g. an sft stage) and one reward "
                          "model (a reward stage)")

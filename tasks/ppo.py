@@ -22,76 +22,41 @@ tokenizer, `lmforge_model.json` (`trained_with: ppo`) and `heldout_generations.j
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from lmforge.config import StageConfig
-from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
+from lmforge.port import Port
+from lmforge.stage import StageDef, StageRuntime
 from lmforge.store import Artifact
-from tasks.sft import launch_training
+from tasks.training import (RLResult, TrainingConfig, check_prompt_shards, launch_training, split_models,
+                            split_reward_model)
 from trainer.settings import PpoSettings
 
-log = logging.getLogger(__name__)
 
-
-class PpoStageConfig(StageConfig, PpoSettings):
+class PpoStageConfig(TrainingConfig, PpoSettings):
     kind: Literal["ppo"] = Field(description="PPO of an SFT policy against a reward model (TRL PPOTrainer).")
 
-    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | PpoSettings.RUN_ONLY
 
-    def trainer_settings(self) -> dict:
-        return self.model_dump(mode="json", include=set(PpoSettings.model_fields))
-
-
-class PpoResult(TrainedResult):
-    method: str
-    base_model: str
+class PpoResult(RLResult):
     reward_model: str
-    format: str
     reference: str
-    train_records: int
-    validation_records: int
-    dropped_prompt_too_long: int
-    train_prompts: int
-    validation_prompts: int  # distinct validation prompts of the held-out check
-    steps: int  # PPO updates
     episodes: int  # rollouts sampled, all processes
     rollouts_per_step: int
-    epochs: float
-    train_reward_first: float | None
-    train_reward_last: float | None
-    train_kl_last: float | None
     train_policy_loss_last: float | None
     train_value_loss_last: float | None
     train_entropy_last: float | None
-    eval_reward_start: float | None  # the reference (the starting policy), greedy, on the validation prompts
-    eval_reward_trained: float | None
-    train_seconds: float
-    peak_memory_mb: float
-    trainable_parameters: int  # of the policy
     value_parameters: int  # of the value model, trained alongside
-    resumed_from_step: int
-    checkpoints_uploaded: list[int]
-
-
-def is_reward_model(a: Artifact) -> bool:
-    return a.manifest.get("output", {}).get("data_kind") == "reward"
 
 
 def run(cfg: PpoStageConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> PpoResult:
-    reward_models = [a for a in inputs if is_reward_model(a)]
-    policy_inputs = [a for a in inputs if not is_reward_model(a)]
-    return PpoResult(**launch_training("ppo", cfg, policy_inputs, out, runtime, reward_model=reward_models[0]))
+    policy_inputs, reward_model = split_reward_model(inputs)
+    return PpoResult(**launch_training("ppo", cfg, policy_inputs, out, runtime, reward_model=reward_model))
 
 
 def output_port(cfg: PpoStageConfig, inputs: list[Port]) -> Port:
-    shards = [p for p in inputs if p.type == "shards"]
-    if len(shards) != 1 or shards[0].data_kind not in ("preference", "chat"):
-        got = ", ".join(p.describe() for p in shards) or "none"
-        raise ValueError(f"ppo reads exactly one preference or chat shards input, for its prompts (got {got})")
+    check_prompt_shards("ppo", inputs)
     for i, p in enumerate(inputs):
         if p.type == "tokenizer":
             raise ValueError(f"input {i} is a tokenizer; ppo uses the policy model's own tokenizer (the reward "
@@ -99,8 +64,7 @@ def output_port(cfg: PpoStageConfig, inputs: list[Port]) -> Port:
         if p.type not in ("shards", "model"):
             raise ValueError(f"input {i} is {p.describe()}; ppo reads prompt shards, a policy model and a reward "
                              "model")
-    policies = [p for p in inputs if p.type == "model" and p.data_kind != "reward"]
-    reward_models = [p for p in inputs if p.type == "model" and p.data_kind == "reward"]
+    policies, reward_models = split_models(inputs)
     if cfg.base_model is not None:
         raise ValueError("ppo starts from the policy model it is given in inputs (an sft stage); remove base_model")
     if not policies:

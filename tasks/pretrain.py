@@ -15,48 +15,32 @@ take it as its `model` input.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from lmforge.config import StageConfig
-from lmforge.stage import Port, StageDef, StageRuntime, TrainedResult
+from lmforge.port import Port
+from lmforge.stage import StageDef, StageRuntime
 from lmforge.store import Artifact
-from tasks.sft import launch_training, model_source_identity
+from tasks.training import (TrainingConfig, TrainingResult, check_input_types, check_model_source, launch_training,
+                            wrong_shards)
 from trainer.settings import PretrainSettings
 
-log = logging.getLogger(__name__)
 
-
-class PretrainConfig(StageConfig, PretrainSettings):
+class PretrainConfig(TrainingConfig, PretrainSettings):
     kind: Literal["pretrain"] = Field(description="Causal-LM training on text shards, from scratch or continued "
                                       "(transformers Trainer, packed rows).")
 
-    #: how often to checkpoint and log, how to launch, prefetching and pinning: kept out of the id
-    ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | PretrainSettings.RUN_ONLY
 
-    def settings(self) -> dict:
-        """A local `base_model.path` or package GGUF enters the id as its content, as in sft."""
-        return model_source_identity(super().settings(), self.base_model, self.project_root)
-
-    def trainer_settings(self) -> dict:
-        """Every training setting, including the orchestration ones the training process needs."""
-        return self.model_dump(mode="json", include=set(PretrainSettings.model_fields))
-
-
-class PretrainResult(TrainedResult):
-    base_model: str
+class PretrainResult(TrainingResult):
     from_scratch: bool
     streaming: bool
     train_shards: int
     train_rows: int | None  # rows packed in memory; None when streaming (not counted ahead)
     validation_rows: int
-    steps: int
     tokens: int
     tokens_per_s: float
-    train_seconds: float
     train_loss_first: float | None
     train_loss_last: float | None
     validation_loss_before: float | None
@@ -64,9 +48,6 @@ class PretrainResult(TrainedResult):
     validation_perplexity_before: float | None
     validation_perplexity_after: float | None
     parameters: int
-    peak_memory_mb: float
-    resumed_from_step: int
-    checkpoints_uploaded: list[int]
 
 
 def run(cfg: PretrainConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> PretrainResult:
@@ -74,29 +55,17 @@ def run(cfg: PretrainConfig, inputs: list[Artifact], out: Path, runtime: StageRu
 
 
 def output_port(cfg: PretrainConfig, inputs: list[Port]) -> Port:
-    shards = [p for p in inputs if p.type == "shards"]
-    if len(shards) != 1 or shards[0].data_kind != "text":
-        got = ", ".join(p.describe() for p in shards) or "none"
+    got = wrong_shards(inputs, ("text",))
+    if got is not None:
         raise ValueError(f"pretrain reads exactly one text shards input (got {got}); chat shards go to sft, "
                          "preference shards to reward or dpo")
-    for i, p in enumerate(inputs):
-        if p.type not in ("shards", "tokenizer", "model"):
-            raise ValueError(f"input {i} is {p.describe()}; pretrain reads text shards, a tokenizer and a model")
-    for t in ("tokenizer", "model"):
-        if sum(p.type == t for p in inputs) > 1:
-            raise ValueError(f"pretrain takes at most one {t} input")
+    check_input_types(inputs, "pretrain", "text shards")
     models = [p for p in inputs if p.type == "model"]
     if models and models[0].data_kind == "reward":
         raise ValueError("the model input is a reward model (sequence classification); pretrain continues a causal "
                          "LM: give it a pretrain or sft stage")
-    if cfg.base_model is None and not models:
-        raise ValueError("pretrain needs a model: set base_model (config to start from scratch, or path, package+file "
-                         "or hub) or add a model stage to inputs to continue it")
-    if cfg.base_model is not None and models:
-        raise ValueError("both base_model and a model input are given; keep one of them")
-    has_tokenizer = any(p.type == "tokenizer" for p in inputs)
-    if cfg.base_model is not None and cfg.base_model.config is not None and not has_tokenizer:
-        raise ValueError("a base_model built from config has no tokenizer; add a tokenizer stage to inputs")
+    check_model_source(cfg, inputs, "pretrain needs a model: set base_model (config to start from scratch, or path, "
+                       "package+file or hub) or add a model stage to inputs to continue it")
     return Port("model")
 
 

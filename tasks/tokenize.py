@@ -40,13 +40,14 @@ from lmforge.config import StageConfig
 from lmforge.errors import ConfigError, DataError
 from lmforge.log import Progress
 from lmforge.shards import SPLITS, iter_shards, shard_refs
-from lmforge.stage import Port, Result, StageDef, StageRuntime
+from lmforge.port import Port
+from lmforge.stage import Result, StageDef, StageRuntime
 from lmforge.store import Artifact
+from tasks.training import TEMPLATE_FILE, by_type, check_model_inputs, model_source_identity
 from trainer.models import ModelSource
 
 log = logging.getLogger(__name__)
 
-TEMPLATE_FILE = "chat_template.jinja"
 ROW_SETTINGS = ("base_model", "max_length_tokens", "assistant_only_loss")  # taken from the readers when unset
 READERS = ("sft", "dpo", "reward")  # stage kinds that train on token shards
 
@@ -67,8 +68,6 @@ class TokenizeConfig(StageConfig):
     rows_per_shard: int = Field(10_000, gt=0, description="Most rows per token shard.")
 
     def settings(self) -> dict:
-        from tasks.sft import model_source_identity
-
         return model_source_identity(super().settings(), self.base_model, self.project_root)
 
 
@@ -94,7 +93,6 @@ class TokenizeResult(Result):
 def run(cfg: TokenizeConfig, inputs: list[Artifact], out: Path, runtime: StageRuntime) -> TokenizeResult:
     import webdataset as wds
 
-    from tasks.sft import by_type
     from tasks.shard import written_shards
     from trainer import chat_templates, launch, models, tokens
     from trainer.errors import SettingError
@@ -181,7 +179,7 @@ DROPPED = {"sft": "have no label within max_length_tokens",
 def _row_maker(kind: str, tokenizer, max_length: int, aol: bool | None):
     """rec, where -> the token row, None (dropped: nothing to learn within max_length) or SKIP (identical pair)."""
     from trainer import tokens
-    from trainer.reward import pair_example
+    from trainer.preference import pair_example
 
     conversational = bool(tokenizer.chat_template)  # as the dpo and reward recipes decide it
     make_pair = tokens.dpo_row if kind == "dpo" else tokens.reward_row
@@ -200,8 +198,6 @@ def _row_maker(kind: str, tokenizer, max_length: int, aol: bool | None):
 
 
 def output_port(cfg: TokenizeConfig, inputs: list[Port]) -> Port:
-    from tasks.sft import check_model_inputs
-
     kind = cfg.rows or "sft"
     data = "chat" if kind == "sft" else "preference"
     check_model_inputs(cfg, inputs, "tokenize", (data,), f"{data} shards (rows: {kind})")  # base_model: the reader's

@@ -1,9 +1,9 @@
 """Batches without wasted compute: length-grouped, seeded order, and a meter of the padding actually trained on.
 
 sft, reward and dpo pad every micro-batch to its longest row (TRL's collators pad to the longest in the batch).
-With rows of mixed length that is a large share of the compute: in an Alpaca-style set at batch 4 and max 512,
-about 40% of the tokens a plain TRL script feeds the model are padding. Grouping rows of similar length into a
-micro-batch removes most of it without changing what is learned per row.
+With rows of mixed length that is a large share of the compute: in an Alpaca-style set, a good part of the tokens a
+plain TRL script feeds the model are padding (bench/padding.py measures it; docs/results.md has the figures).
+Grouping rows of similar length into a micro-batch removes most of it without changing what is learned per row.
 
 `LengthGroupedSampler` (installed by `group_by_length`) orders one epoch as:
 1. a seeded permutation of the rows (torch.Generator seeded by (seed, epoch): no global RNG, so the order is a

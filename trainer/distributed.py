@@ -207,12 +207,17 @@ def deepspeed_offloads(cfg: Mapping[str, Any] | None) -> bool:
 
 def load_deepspeed(value: str | dict | None, root: Path | None = None) -> dict[str, Any] | None:
     """The checked DeepSpeed config of `deepspeed:` (preset, file relative to `root`, or mapping)."""
+    return _load("deepspeed", value, root, check_deepspeed)
+
+
+def _load(field: str, value: str | dict | None, root: Path | None, check) -> dict[str, Any] | None:
+    """`check`ed config of setting `field`: None, a mapping, or a preset or file read by `_read_file`."""
     if value is None:
         return None
     if isinstance(value, dict):
-        return check_deepspeed(value)
-    cfg, name = _read_file("deepspeed", value, root)
-    return check_deepspeed(cfg, name)
+        return check(value)
+    cfg, name = _read_file(field, value, root)
+    return check(cfg, name)
 
 
 def check_fsdp(cfg: Any, name: str = "the mapping") -> dict[str, Any]:
@@ -250,12 +255,7 @@ def check_fsdp(cfg: Any, name: str = "the mapping") -> dict[str, Any]:
 
 def load_fsdp(value: str | dict | None, root: Path | None = None) -> dict[str, Any] | None:
     """The checked `fsdp_config` of `fsdp:` (preset, file relative to `root`, or mapping)."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return check_fsdp(value)
-    cfg, name = _read_file("fsdp", value, root)
-    return check_fsdp(cfg, name)
+    return _load("fsdp", value, root, check_fsdp)
 
 
 # ----------------------------------------------------------------------------------------------

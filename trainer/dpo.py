@@ -26,9 +26,9 @@ from typing import Any
 from trainer import batching, checkpoint, models
 from trainer.args import training_args
 from trainer.errors import SettingError
-from trainer.job import JobSpec, materialize, rank
-from trainer.metrics import peak_memory_mb
-from trainer.reward import AlignMetricsCallback, PairData, last_logged
+from trainer.job import JobSpec, rank
+from trainer.preference import AlignMetricsCallback, PairData, last_logged
+from trainer.recipe import base_and_tokenizer, load_policy, run_figures
 from trainer.settings import DpoSettings
 
 log = logging.getLogger(__name__)
@@ -56,31 +56,15 @@ def train(spec: JobSpec) -> dict[str, Any]:
         raise SettingError("inputs", "dpo starts from a model: add an sft stage's output to this stage's inputs")
 
     # 1. tokenizer (a model artifact keeps its tokenizer, chat template included)
-    res = models.resolve(s.base_model, spec.model, work)
-    tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
-    tokenizer = models.load_tokenizer(res, tokenizer_dir)
-    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+    res, tokenizer = base_and_tokenizer(spec, s, work)
 
     # 2. data: identical pairs skipped here and prompts that fill max_length dropped by the trainer (counted), or
     #    a tokenize stage's rows (skipped and dropped there) streamed from the store
     pairs = PairData.load(spec, s, tokenizer, "dpo")
 
     # 3. policy and reference
-    ref_model, peft_config = None, None
-    if s.method == "qlora":
-        model, _ = models.load_for_training(res, tokenizer, method="qlora", lora=s.lora, seed=s.seed, work_dir=work,
-                                            dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
-    else:
-        model, _ = models.load_for_training(res, tokenizer, method="full", lora=s.lora, seed=s.seed, work_dir=work,
-                                            dtype=s.dtype)
-        if s.method == "lora":
-            from peft import LoraConfig
-
-            models.check_lora_targets(model, s.lora.target_modules, res.describe)
-            peft_config = LoraConfig(r=s.lora.rank, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
-                                     target_modules=s.lora.target_modules, bias="none", task_type="CAUSAL_LM")
-        else:
-            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    model, peft_config = load_policy(res, tokenizer, s, work)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if s.method == "full" else None
 
     # 4. trainer
     losses = {s.loss_type: 1.0, **({"sft": s.sft_loss_weight} if s.sft_loss_weight else {})}
@@ -132,10 +116,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "eval_loss": ev.get("eval_loss"),
         "eval_reward_accuracy": ev.get("eval_rewards/accuracies"),
         "eval_margin": ev.get("eval_rewards/margins"),
-        "train_seconds": round(metrics.train_seconds, 2),
-        "peak_memory_mb": round(peak_memory_mb(), 1),
+        **run_figures(spec, metrics.train_seconds, ckpt),
         **meter.result(metrics.train_seconds),
         "trainable_parameters": trainable,
-        "resumed_from_step": spec.resume_step or 0,
-        "checkpoints_uploaded": ckpt.uploaded,
     }

@@ -8,9 +8,9 @@ QLoRA) -> held-out reward of the starting policy -> GRPOConfig / RLOOConfig -> t
 metrics callbacks -> train (resuming when a checkpoint was restored) -> held-out reward of the trained
 policy -> save -> result.
 
-Prompts: a preference record gives its `prompt`, a chat record its turns before the last assistant turn;
-with a chat template they become chat turns. Each prompt carries an `answer` column for the rewards: the
-record's `answer` field, else its demonstrated answer (`chosen`, or the last assistant turn).
+Prompts (`trainer.prompts`): a preference record gives its `prompt`, a chat record its turns before the last
+assistant turn; with a chat template they become chat turns. Each prompt carries an `answer` column for the
+rewards: the record's `answer` field, else its demonstrated answer (`chosen`, or the last assistant turn).
 
 The reward of a completion is the weighted sum of the reward functions' values and the reward model's
 score (TRL sums them; `None` from a function means not scored). The reference for the KL term is the
@@ -31,15 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.errors import DataError
-from lmforge.records import prompt_turns
-from lmforge.shards import ShardRef
-from trainer import batching, checkpoint, data, models
+from trainer import batching, checkpoint, models
 from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank
-from trainer.metrics import peak_memory_mb
-from trainer.reward import AlignMetricsCallback, last_logged, load_reward_model
+from trainer.preference import AlignMetricsCallback, last_logged, load_reward_model
+from trainer.prompts import distinct, load_splits, prompt_ids
+from trainer.recipe import base_and_tokenizer, load_policy, run_figures
 from trainer.rewards import load_reward_function
 from trainer.settings import GrpoSettings
 
@@ -55,87 +53,6 @@ RL_LOG_KEYS = {
 }
 REWARD_MODEL_NAME = "reward_model"
 RM_BATCH = 32  # completions per reward-model forward pass in the held-out check
-
-
-# ----------------------------------------------------------------------------------------------
-# prompts
-
-
-@dataclass
-class Prompts:
-    """The prompts of one split (with their reference answers), and how many records were skipped."""
-
-    rows: list[dict[str, Any]]  # {"prompt": str | list[turn], "answer": str | None}
-    records: int  # records read from the shards
-    too_long: int  # prompt + max_completion_tokens beyond max_length_tokens: skipped
-
-    def dataset(self):
-        import datasets
-
-        return datasets.Dataset.from_list(self.rows) if self.rows else None
-
-
-def record_prompt(rec: dict[str, Any], conversational: bool, where: str) -> dict[str, Any]:
-    """{"prompt", "answer"} of a preference or chat record."""
-    answer = rec.get("answer") if isinstance(rec.get("answer"), str) else None
-    if isinstance(rec.get("prompt"), str):
-        text = rec["prompt"]
-        if answer is None and isinstance(rec.get("chosen"), str):
-            answer = rec["chosen"]
-        return {"prompt": prompt_turns(rec) if conversational else text, "answer": answer}
-    messages = rec.get("messages")
-    if isinstance(messages, list) and messages:
-        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-        turns = messages[:last] if last is not None else messages
-        if answer is None and last is not None:
-            answer = messages[last].get("content")
-        if turns:
-            turns = [{"role": m["role"], "content": m["content"]} for m in turns]
-            return {"prompt": turns if conversational else "\n".join(m["content"] for m in turns), "answer": answer}
-    raise DataError(where, f"record {rec.get('id', '?')} has no prompt: neither a string prompt nor chat turns "
-                    f"before an assistant turn (fields: {', '.join(sorted(rec))})",
-                    "feed this stage preference or chat shards")
-
-
-def prompt_tokens(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
-    """The prompt's token ids as the trainer feeds them (chat template with the generation prompt)."""
-    if isinstance(prompt, list):
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
-
-
-def load_prompts(shards: list[ShardRef], where: str, tokenizer, s: GrpoSettings,
-                 max_records: int | None = None) -> Prompts:
-    conversational = bool(tokenizer.chat_template)
-    rows, records, too_long = [], 0, 0
-    room = s.max_length_tokens - s.max_completion_tokens
-    for rec in data.iter_records(shards):
-        if max_records is not None and records >= max_records:
-            break
-        records += 1
-        row = record_prompt(rec, conversational, where)
-        if len(prompt_tokens(tokenizer, row["prompt"])) > room:
-            too_long += 1
-            continue
-        rows.append(row)
-    if shards and not records:
-        raise DataError(where, "the shards hold no records", "check the upstream stages' drop counts")
-    if too_long:
-        log.warning("%s: %d of %d prompts are longer than max_length_tokens %d - max_completion_tokens %d and are "
-                    "skipped", where, too_long, records, s.max_length_tokens, s.max_completion_tokens)
-    log.info("%s: %d prompts from %d shard(s)", where, len(rows), len(shards))
-    return Prompts(rows, records, too_long)
-
-
-def distinct(rows: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
-    seen, out = set(), []
-    for r in rows:
-        key = json.dumps(r["prompt"], sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(r)
-    return out[:limit] if limit is not None else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +155,7 @@ def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int, bat
     was_training = model.training
     model.eval()
     for i in range(0, len(prompts), batch_size):
-        chunk = [prompt_tokens(tokenizer, p) for p in prompts[i:i + batch_size]]
+        chunk = [prompt_ids(tokenizer, p) for p in prompts[i:i + batch_size]]
         width = max(len(c) for c in chunk)
         input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(c)) + c for c in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=device)
@@ -278,6 +195,7 @@ def _text(x) -> str:
 
 
 def train(spec: JobSpec) -> dict[str, Any]:
+    import datasets
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -285,19 +203,11 @@ def train(spec: JobSpec) -> dict[str, Any]:
     work, out = Path(spec.work_dir), Path(spec.output_dir)
 
     # 1. tokenizer (a model artifact keeps its tokenizer, chat template included)
-    res = models.resolve(s.base_model, spec.model, work)
-    tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
-    tokenizer = models.load_tokenizer(res, tokenizer_dir)
-    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+    res, tokenizer = base_and_tokenizer(spec, s, work)
 
     # 2. prompts: training ones (repeats kept: they are samples), distinct held-out ones
-    train_p = load_prompts(spec.train_shards, f"stage {spec.stage} train split", tokenizer, s, s.max_train_records)
-    if not train_p.rows:
-        raise DataError(f"stage {spec.stage}", f"no prompt is left to train on: {train_p.records} read, "
-                        f"{train_p.too_long} longer than max_length_tokens - max_completion_tokens",
-                        "raise max_length_tokens or lower max_completion_tokens")
-    eval_p = (load_prompts(spec.validation_shards, f"stage {spec.stage} validation split", tokenizer, s)
-              if s.evaluate and spec.validation_shards else Prompts([], 0, 0))
+    train_p, eval_p = load_splits(spec, tokenizer, s, ("max_completion_tokens", s.max_completion_tokens),
+                                  f"stage {spec.stage}")
     eval_rows = distinct(eval_p.rows, s.max_validation_prompts)
     train_keys = {json.dumps(r["prompt"], sort_keys=True) for r in train_p.rows}
     seen_in_train = sum(json.dumps(r["prompt"], sort_keys=True) in train_keys for r in eval_rows)
@@ -306,24 +216,12 @@ def train(spec: JobSpec) -> dict[str, Any]:
     rewards = load_rewards(s, spec, work)
 
     # 4. policy; the reference for the KL term is the starting policy
-    peft_config = None
-    if s.method == "qlora":
-        model, _ = models.load_for_training(res, tokenizer, method="qlora", lora=s.lora, seed=s.seed, work_dir=work,
-                                            dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
-    else:
-        model, _ = models.load_for_training(res, tokenizer, method="full", lora=s.lora, seed=s.seed, work_dir=work,
-                                            dtype=s.dtype)
-        if s.method == "lora":
-            from peft import LoraConfig
-
-            models.check_lora_targets(model, s.lora.target_modules, res.describe)
-            peft_config = LoraConfig(r=s.lora.rank, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
-                                     target_modules=s.lora.target_modules, bias="none", task_type="CAUSAL_LM")
-        elif s.beta > 0:
-            # TRL loads the full reference with from_pretrained(model.name_or_path): give it the starting weights
-            ref_dir = work / f"reference-{rank()}"
-            model.save_pretrained(ref_dir, safe_serialization=True)
-            model.config._name_or_path = str(ref_dir)
+    model, peft_config = load_policy(res, tokenizer, s, work)
+    if s.method == "full" and s.beta > 0:
+        # TRL loads the full reference with from_pretrained(model.name_or_path): give it the starting weights
+        ref_dir = work / f"reference-{rank()}"
+        model.save_pretrained(ref_dir, safe_serialization=True)
+        model.config._name_or_path = str(ref_dir)
 
     # 5. held-out reward of the starting policy (before any checkpoint is restored)
     before = heldout(model, tokenizer, eval_rows, rewards, s)
@@ -343,7 +241,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
         trainer_cls = RLOOTrainer
     ckpt = checkpoint.callback_for(spec, s)
     metrics = AlignMetricsCallback(spec.tracking_uri, spec.mlflow_run_id, rewards.log_keys())
-    trainer = trainer_cls(model=model, reward_funcs=list(rewards.funcs), args=args, train_dataset=train_p.dataset(),
+    train_ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in train_p.rows])
+    trainer = trainer_cls(model=model, reward_funcs=list(rewards.funcs), args=args, train_dataset=train_ds,
                           processing_class=tokenizer, reward_processing_classes=list(rewards.processing_classes),
                           peft_config=peft_config, callbacks=[ckpt, metrics])
     trainer.reward_func_names = list(rewards.names)  # stable metric names: rewards/<name>/mean
@@ -413,11 +312,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "eval_reward_trained": after["reward"],
         "eval_reward_by_source_start": before["per_reward"],
         "eval_reward_by_source_trained": after["per_reward"],
-        "train_seconds": round(metrics.train_seconds, 2),
-        "peak_memory_mb": round(peak_memory_mb(), 1),
+        **run_figures(spec, metrics.train_seconds, ckpt),
         **meter.result(metrics.train_seconds),
         "trainable_parameters": trainable,
-        "resumed_from_step": spec.resume_step or 0,
-        "checkpoints_uploaded": ckpt.uploaded,
     }
 

@@ -2,8 +2,8 @@
 PPOTrainer (`trl.experimental.ppo`, TRL 1.12: 1.13 removed PPO, which is why trl is pinned to 1.12.x).
 
 Runs in the training process (`trainer.entry`), top to bottom:
-tokenizer (the policy artifact's; the reward model's must be the same) -> prompts (from preference or chat
-shards; prompts too long for a response skipped and counted) -> policy (full, LoRA, QLoRA), reward model (frozen)
+tokenizer (the policy artifact's; the reward model's must be the same) -> prompts (`trainer.prompts`; prompts
+too long for a response skipped and counted) -> policy (full, LoRA, QLoRA), reward model (frozen)
 and value model (a trainable copy of the reward model, the usual TRL recipe) -> PPOConfig -> trainer with
 checkpoint and metrics callbacks -> train (resuming when a checkpoint was restored) -> held-out reward of the
 trained policy and of the reference -> save -> result.
@@ -20,8 +20,8 @@ Reference: lora - the policy with its adapter disabled (no second copy); full - 
 value model is always a full-precision, fully trained copy of the reward model.
 
 Where the reward is read: TRL's PPO scores a rollout at its last token, the eos that ends the response. A reward
-stage on a chat template learned from whole turns, which end after the eos (ChatML: "<|im_end|>" and a newline), and
-read there: the demo's reward model ranks 99.5% of 200 of its pairs right at that token, 46.5% at the eos. So the
+stage on a chat template learned from whole turns, which end after the eos (ChatML: "<|im_end|>" and a newline),
+and ranks its pairs well only when read at that end of turn, no better than chance at the bare eos. So the
 reward model reads each eos-terminated rollout with the template's end of turn appended (`turn_end_suffix`),
 exactly the token ids it was trained on; plain-text reward models (RewardTrainer appends eos) need nothing.
 
@@ -49,21 +49,19 @@ import os
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from lmforge.errors import DataError
-from lmforge.records import prompt_turns
-from lmforge.shards import ShardRef
-from trainer import checkpoint, data, models
+from trainer import checkpoint, models
 from trainer.args import training_args
 from trainer.errors import SettingError
 from trainer.job import JobSpec, materialize, rank, world_size
 from trainer.metrics import peak_memory_mb
-from trainer.reward import AlignMetricsCallback, last_logged, load_reward_model
+from trainer.preference import AlignMetricsCallback, last_logged, load_reward_model
+from trainer.prompts import distinct, load_splits
+from trainer.recipe import base_and_tokenizer, load_policy, run_figures
 from trainer.settings import PpoSettings
 
 log = logging.getLogger(__name__)
@@ -85,74 +83,7 @@ HELDOUT_FILE = "heldout_generations.json"
 
 
 # ----------------------------------------------------------------------------------------------
-# prompts
-
-
-@dataclass
-class Prompts:
-    """The prompts of one split, tokenized as the policy sees them, and how many records were skipped."""
-
-    rows: list[dict[str, Any]]  # {"prompt": str | list[turn], "input_ids": list[int]}
-    records: int  # records read from the shards
-    too_long: int  # prompt + max_new_tokens beyond max_length_tokens: skipped
-
-
-def record_prompt(rec: dict[str, Any], conversational: bool, where: str) -> str | list[dict[str, str]]:
-    """A preference record's `prompt`, or a chat record's turns before its last assistant turn."""
-    if isinstance(rec.get("prompt"), str):
-        return prompt_turns(rec) if conversational else rec["prompt"]
-    messages = rec.get("messages")
-    if isinstance(messages, list) and messages:
-        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-        turns = [{"role": m["role"], "content": m["content"]} for m in (messages[:last] if last is not None
-                                                                          else messages)]
-        if turns:
-            return turns if conversational else "\n".join(m["content"] for m in turns)
-    raise DataError(where, f"record {rec.get('id', '?')} has no prompt: neither a string prompt nor chat turns "
-                    f"before an assistant turn (fields: {', '.join(sorted(rec))})",
-                    "feed this stage preference or chat shards")
-
-
-def prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
-    """The prompt's token ids: the chat template with the generation prompt, or the plain text."""
-    if isinstance(prompt, list):
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
-
-
-def load_prompts(shards: list[ShardRef], where: str, tokenizer, s: PpoSettings,
-                 max_records: int | None = None) -> Prompts:
-    conversational = bool(tokenizer.chat_template)
-    room = s.max_length_tokens - s.max_new_tokens
-    rows, records, too_long = [], 0, 0
-    for rec in data.iter_records(shards):
-        if max_records is not None and records >= max_records:
-            break
-        records += 1
-        prompt = record_prompt(rec, conversational, where)
-        ids = prompt_ids(tokenizer, prompt)
-        if len(ids) > room:
-            too_long += 1
-            continue
-        rows.append({"prompt": prompt, "input_ids": ids})
-    if shards and not records:
-        raise DataError(where, "the shards hold no records", "check the upstream stages' drop counts")
-    if too_long:
-        log.warning("%s: %d of %d prompts are longer than max_length_tokens %d - max_new_tokens %d tokens and are "
-                    "skipped", where, too_long, records, s.max_length_tokens, s.max_new_tokens)
-    log.info("%s: %d prompts from %d shard(s)", where, len(rows), len(shards))
-    return Prompts(rows, records, too_long)
-
-
-def distinct(rows: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
-    seen, out = set(), []
-    for r in rows:
-        key = json.dumps(r["prompt"], sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(r)
-    return out[:limit] if limit is not None else out
+# rollouts
 
 
 def turn_end_suffix(tokenizer) -> list[int]:
@@ -456,37 +387,22 @@ def train(spec: JobSpec) -> dict[str, Any]:
     if spec.reward_model is None:
         raise SettingError("inputs", "ppo needs a reward model: add a reward stage's output to this stage's inputs")
 
-    # 1. tokenizer: the policy artifact's own; the reward model's must be the same
-    res = models.resolve(s.base_model, spec.model, work)
-    tokenizer = models.load_tokenizer(res, None)
-    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+    # 1. tokenizer: the policy artifact's own (ppo takes no tokenizer input); the reward model's must be the same
+    res, tokenizer = base_and_tokenizer(spec, s, work)
     saved_padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # PPO's queries are left-padded
 
     # 2. prompts: too long for a response -> skipped and counted
-    train_prompts = load_prompts(spec.train_shards, f"stage {spec.stage} train split", tokenizer, s,
-                                 s.max_train_records)
-    eval_prompts = (load_prompts(spec.validation_shards, f"stage {spec.stage} validation split", tokenizer, s)
-                    if s.evaluate and spec.validation_shards else None)
-    if not train_prompts.rows:
-        raise DataError(f"stage {spec.stage} train split", f"no prompt is left to train on: {train_prompts.records} "
-                        f"read, {train_prompts.too_long} longer than max_length_tokens - max_new_tokens",
-                        "raise max_length_tokens or lower max_new_tokens")
+    train_prompts, eval_prompts = load_splits(spec, tokenizer, s, ("max_new_tokens", s.max_new_tokens),
+                                              f"stage {spec.stage} train split")
 
     # 3. policy, reward model (frozen) and value model (a trainable copy of the reward model)
     set_seed(s.seed)
     # qlora: the 4-bit base with a fresh adapter comes in as a PeftModel; lora: TRL applies `peft_config`
-    policy, _ = models.load_for_training(res, tokenizer, method="qlora" if s.method == "qlora" else "full",
-                                         lora=s.lora, seed=s.seed, work_dir=work, dtype=s.dtype,
-                                         gradient_checkpointing=s.gradient_checkpointing)
-    peft_config, ref_model, reference = None, None, REFERENCE[s.method]
-    if s.method == "lora":
-        from peft import LoraConfig
-
-        models.check_lora_targets(policy, s.lora.target_modules, res.describe)
-        peft_config = LoraConfig(r=s.lora.rank, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
-                                 target_modules=s.lora.target_modules, bias="none", task_type="CAUSAL_LM")
-        if world_size() > 1:  # TRL reaches the adapter-disabled reference through the DDP wrapper, and fails there
-            ref_model, reference = copy.deepcopy(policy).eval().requires_grad_(False), "frozen copy (DDP)"
+    policy, peft_config = load_policy(res, tokenizer, s, work)
+    ref_model, reference = None, REFERENCE[s.method]
+    if s.method == "lora" and world_size() > 1:
+        # TRL reaches the adapter-disabled reference through the DDP wrapper, and fails there
+        ref_model, reference = copy.deepcopy(policy).eval().requires_grad_(False), "frozen copy (DDP)"
     rm_dir = materialize(spec.reward_model, work)
     reward_model, reward_tokenizer = load_reward_model(rm_dir)
     check_reward_model(reward_model, reward_tokenizer, tokenizer, s, spec.reward_model.describe())
@@ -526,7 +442,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
 
     # 6. held-out: the trained policy and the reference on the distinct validation prompts, same reward model
     heldout = []
-    if eval_prompts is not None and eval_prompts.rows:
+    if eval_prompts.rows:
         heldout = heldout_rewards(trainer, distinct(eval_prompts.rows, s.max_validation_prompts), tokenizer, s)
     start = _mean([h["reference"]["reward"] for h in heldout])
     trained = _mean([h["policy"]["reward"] for h in heldout])
@@ -557,8 +473,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "format": info.get("format", ""),
         "reference": reference,
         "train_records": train_prompts.records,
-        "validation_records": eval_prompts.records if eval_prompts is not None else 0,
-        "dropped_prompt_too_long": train_prompts.too_long + (eval_prompts.too_long if eval_prompts else 0),
+        "validation_records": eval_prompts.records,
+        "dropped_prompt_too_long": train_prompts.too_long + eval_prompts.too_long,
         "train_prompts": len(train_prompts.rows),
         "validation_prompts": len(heldout),
         "steps": state.global_step,
@@ -573,10 +489,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "train_entropy_last": last_logged(history, "policy/entropy_avg"),
         "eval_reward_start": start,
         "eval_reward_trained": trained,
-        "train_seconds": round(metrics.train_seconds, 2),
-        "peak_memory_mb": round(peak_memory_mb(), 1),
+        **run_figures(spec, metrics.train_seconds, ckpt),
         "trainable_parameters": sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad),
         "value_parameters": sum(p.numel() for p in trainer.value.parameters() if p.requires_grad),
-        "resumed_from_step": spec.resume_step or 0,
-        "checkpoints_uploaded": ckpt.uploaded,
     }

@@ -26,8 +26,9 @@ from typing import Any
 from lmforge.errors import DataError
 from trainer import batching, checkpoint, models, stream
 from trainer.args import training_args
-from trainer.job import JobSpec, materialize, rank
-from trainer.metrics import MetricsCallback, peak_memory_mb
+from trainer.job import JobSpec, rank
+from trainer.metrics import MetricsCallback
+from trainer.recipe import base_and_tokenizer, run_figures
 from trainer.settings import PretrainSettings
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
     work, out = Path(spec.work_dir), Path(spec.output_dir)
 
     # 1. tokenizer
-    res = models.resolve(s.base_model, spec.model, work)
-    tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
-    tokenizer = models.load_tokenizer(res, tokenizer_dir)
-    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+    res, tokenizer = base_and_tokenizer(spec, s, work)
 
     # 2. data: the train split streamed (or packed in memory), the validation split packed in memory
     where = f"stage {spec.stage} train split"
@@ -117,7 +115,6 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "steps": state.global_step,
         "tokens": int(state.num_input_tokens_seen),  # all ranks; every token of a packed row is trained on
         "tokens_per_s": round((metrics.tokens_end - metrics.tokens_begin) / max(metrics.train_seconds, 1e-9), 1),
-        "train_seconds": round(metrics.train_seconds, 2),
         "train_loss_first": losses[0] if losses else None,
         "train_loss_last": losses[-1] if losses else None,
         "validation_loss_before": before,
@@ -125,10 +122,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "validation_perplexity_before": _perplexity(before),
         "validation_perplexity_after": _perplexity(after),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "peak_memory_mb": round(peak_memory_mb(), 1),
+        **run_figures(spec, metrics.train_seconds, ckpt),
         **meter.result(metrics.train_seconds),
-        "resumed_from_step": spec.resume_step or 0,
-        "checkpoints_uploaded": ckpt.uploaded,
     }
 
 

@@ -2,13 +2,14 @@
 
 Light on purpose (pydantic only): `tasks/` imports it when a config is parsed, long before any torch.
 `TrainSettings` holds what every trainer method has (model, method, optimizer, schedule, checkpoints,
-launch); each method adds its own fields in one flat subclass (`SftSettings`, later DPO, reward, ...).
+launch); each method adds its own fields in one flat subclass (`SftSettings`, `RewardSettings`, ...).
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from trainer.models import LoraSettings, Method, ModelSource
 
@@ -161,10 +162,13 @@ class DpoSettings(GroupedBatchSettings):
 # ----------------------------------------------------------------------------------------------
 # grpo stage (GRPO and RLOO); the reward functions it names live in trainer/rewards.py (plain Python)
 
-from typing import Annotated  # noqa: E402  (kept with the grpo settings, which alone use it)
 
-from pydantic import BeforeValidator, ValidationInfo, field_validator  # noqa: E402
-from pydantic_core import PydanticCustomError  # noqa: E402
+def _no_room_for_the_prompt(completion_tokens: int, info: ValidationInfo) -> str | None:
+    """What is wrong with a completion of this many tokens (grpo, ppo): it must leave room for the prompt."""
+    limit = info.data.get("max_length_tokens")
+    if limit is not None and completion_tokens >= limit:
+        return f"leaves no room for the prompt in max_length_tokens {limit}; lower it or raise max_length_tokens"
+    return None
 
 
 def _importable_reward_function(v: Any) -> Any:
@@ -247,10 +251,9 @@ class GrpoSettings(TrainSettings):
     @field_validator("max_completion_tokens")
     @classmethod
     def _room_for_the_prompt(cls, v: int, info: ValidationInfo) -> int:
-        limit = info.data.get("max_length_tokens")
-        if limit is not None and v >= limit:
-            raise PydanticCustomError("grpo_settings", "{problem}", {"problem": (
-                f"leaves no room for the prompt in max_length_tokens {limit}; lower it or raise max_length_tokens")})
+        problem = _no_room_for_the_prompt(v, info)
+        if problem:
+            raise PydanticCustomError("grpo_settings", "{problem}", {"problem": problem})
         return v
 
     @field_validator("scale_rewards", "loss_type", "normalize_advantages")
@@ -262,9 +265,6 @@ class GrpoSettings(TrainSettings):
             raise PydanticCustomError("grpo_settings", "{problem}", {"problem": (
                 f"applies to algorithm {only} only (algorithm is {algorithm}); remove it")})
         return v
-
-
-from pydantic import ValidationInfo as _Info, field_validator as _field_validator  # noqa: E402  (pretrain settings)
 
 
 class PretrainSettings(TrainSettings):
@@ -286,9 +286,9 @@ class PretrainSettings(TrainSettings):
     #: streaming splits the shards by worker: here num_workers changes the batches (prefetching and pinning do not)
     RUN_ONLY: ClassVar[frozenset[str]] = TrainSettings.RUN_ONLY - {"num_workers"}
 
-    @_field_validator("streaming")
+    @field_validator("streaming")
     @classmethod
-    def _stream_bounds(cls, v: bool, info: _Info) -> bool:
+    def _stream_bounds(cls, v: bool, info: ValidationInfo) -> bool:
         if v and "max_steps" in info.data and info.data["max_steps"] is None:
             raise ValueError("streaming reads the shards as an endless stream of unknown length: set max_steps, or "
                              "streaming: false to train for epochs over the split packed in memory")
@@ -297,7 +297,7 @@ class PretrainSettings(TrainSettings):
                              "the data read")
         return v
 
-    @_field_validator("lora")
+    @field_validator("lora")
     @classmethod
     def _no_lora(cls, v: LoraSettings) -> LoraSettings:
         if v != LoraSettings():
@@ -363,10 +363,9 @@ class PpoSettings(TrainSettings):
     @field_validator("max_new_tokens")
     @classmethod
     def _room_for_the_prompt(cls, v: int, info: ValidationInfo) -> int:
-        limit = info.data.get("max_length_tokens")
-        if limit is not None and v >= limit:
-            raise _ppo_problem(f"{v} leaves no room for the prompt in max_length_tokens {limit}; lower it or raise "
-                               "max_length_tokens")
+        problem = _no_room_for_the_prompt(v, info)
+        if problem:
+            raise _ppo_problem(f"{v} {problem}")
         return v
 
     @field_validator("mini_batches")

@@ -14,8 +14,9 @@ from typing import Any
 
 from trainer import batching, chat_templates, checkpoint, data, distributed, models, tokens
 from trainer.args import training_args
-from trainer.job import JobSpec, materialize, rank
-from trainer.metrics import MetricsCallback, peak_memory_mb
+from trainer.job import JobSpec, rank
+from trainer.metrics import MetricsCallback
+from trainer.recipe import base_and_tokenizer, run_figures
 from trainer.settings import SftSettings
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
     work, out = Path(spec.work_dir), Path(spec.output_dir)
 
     # 1. tokenizer
-    res = models.resolve(s.base_model, spec.model, work)
-    tokenizer_dir = materialize(spec.tokenizer, work) if spec.tokenizer else None
-    tokenizer = models.load_tokenizer(res, tokenizer_dir)
-    models.check_max_length(models.load_config(res), s.max_length_tokens, res)
+    res, tokenizer = base_and_tokenizer(spec, s, work)
 
     # 2. data, and a chat template that marks assistant turns for assistant-only loss
     streamed = spec.token_data is not None
@@ -107,12 +105,9 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "eval_loss": eval_loss,
         "tokens": int(state.num_input_tokens_seen),  # non-padding tokens fed to the model, all ranks
         "tokens_per_s": round((metrics.tokens_end - metrics.tokens_begin) / max(metrics.train_seconds, 1e-9), 1),
-        "train_seconds": round(metrics.train_seconds, 2),
-        "peak_memory_mb": round(peak_memory_mb(), 1),
+        **run_figures(spec, metrics.train_seconds, ckpt),
         **meter.result(metrics.train_seconds),
         "trainable_parameters": trainable,
         "quantized_linear_layers": quantized,
-        "resumed_from_step": spec.resume_step or 0,
-        "checkpoints_uploaded": ckpt.uploaded,
     }
 

@@ -83,7 +83,7 @@ def _with_eos(example: dict[str, Any], eos: str) -> dict[str, Any]:
 
 
 def dpo_row(tokenizer, example: dict[str, Any], *, max_length: int) -> dict[str, list[int]] | None:
-    """A {prompt, chosen, rejected} pair (trainer.reward.pair_example) -> DPOTrainer's {prompt_ids, chosen_ids,
+    """A {prompt, chosen, rejected} pair (trainer.preference.pair_example) -> DPOTrainer's {prompt_ids, chosen_ids,
     rejected_ids} (TRL 1.12 `DPOTrainer._prepare_dataset`); None when the prompt alone fills max_length (DPOTrainer
     drops those: its keep_start truncation would leave no completion token). The collator cuts the rest."""
     ex = _with_eos(example, tokenizer.eos_token)
