@@ -17,8 +17,8 @@ figures on the 144 held-out pairs of data/demo/heldout, measured the same way fo
 - dpo: the eval stage (tasks/eval.py) with every policy side by side: implicit-reward preference accuracy against
   the sft model, log-likelihood preference accuracy and exact match on the held-out questions (the plain adapters
   are merged into full folders for it);
-- reward: pairwise accuracy of each reward model on the held-out pairs (trainer/evaluate.reward_model_scores, what
-  the eval stage uses).
+- reward: pairwise accuracy of each reward model on the held-out pairs (reward_model_scores of
+  tasks/evaluation/preference_accuracy.py, what the eval stage uses).
 Figures: see the note of the stop that ran it; nothing here is a timed assertion.
 """
 from __future__ import annotations
@@ -178,9 +178,9 @@ def main() -> int:
     from lmforge.shards import iter_samples
     from lmforge.tracking import Tracker
     from tasks import REGISTRY
-    from trainer import evaluate as ev
+    from tasks.evaluation import preference_accuracy as ev
     from trainer import models
-    from trainer.reward import REWARD_MODEL_KIND
+    from trainer.preference import REWARD_MODEL_KIND
 
     raw = demo_raw(out)
     seeds = list(range(args.seeds))

@@ -20,14 +20,13 @@ parameters, step time with parameters x tokens per step; with the same batch, a 
 same share (the per-file and per-request costs weigh less), a bigger batch or longer sequences a smaller one.
 Target (issue 4): under 2% at the default interval.
 
-Where the time goes (profiled on a 10.6 MB, 11-file checkpoint): the local write is ~0.06 s idle; a local
-store's upload is a copy (~0.01 s); an S3 upload is ~0.2-0.45 s: the 11 PUTs one after the other (~0.15 s;
-the local SeaweedFS shares the 2 cores with the training), makedirs/exists (~0.02 s), the DONE marker, and
-prune's listing (~0.02 s); sha256 is ~0.01 s. The upload and prune run in a background thread per checkpoint
-(joined before the next save, at the end of training and after a SIGTERM's save), so the training loop pays
-the write, and the upload only when it is still running at the next save ("waited"). On 2 cores the upload
-thread competes with the training for CPU, which neither share counts: the steps around a checkpoint run a
-little slower (visible in train_s against a run without checkpoints).
+Where the time goes: the Trainer's local write; a local store's upload is a copy; an S3 upload is the checkpoint's
+PUTs one after the other (the local SeaweedFS shares the cores with the training), makedirs/exists, the DONE marker
+and prune's listing; sha256 weighs little. The upload and prune run in a background thread per checkpoint (joined
+before the next save, at the end of training and after a SIGTERM's save), so the training loop pays the write, and
+the upload only when it is still running at the next save ("waited"). On few cores the upload thread competes with
+the training for CPU, which neither share counts: the steps around a checkpoint run a little slower (visible in
+train_s against a run without checkpoints). Measured figures: docs/results.md.
 """
 from __future__ import annotations
 
@@ -39,15 +38,12 @@ import re
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train_overhead import chat_rows, model_config  # noqa: E402
+from bench.common import add_ints, model_config, plan_run, start, sum_chat_rows, write_jsonl  # noqa: E402
 
 WRITTEN = re.compile(r"checkpoint (\d+): written in ([\d.]+)s")
 UPLOADED = re.compile(r"checkpoint (\d+): uploaded and pruned in ([\d.]+)s in the background; the training waited "
@@ -67,11 +63,8 @@ class ChildLines(logging.Handler):
 
 
 def run_pipeline(store: str, data: Path, tmp: Path, args, every: int, lines: ChildLines) -> dict:
-    from lmforge.config import parse_config
-    from lmforge.executor import RunContext, execute_stage
-    from lmforge.plan import make_plan
+    from lmforge.executor import execute_stage
     from lmforge.tracking import Tracker
-    from tasks import REGISTRY
 
     steps = args.checkpoints * every + 10  # the final step is no checkpoint: the recipe writes the model itself
     raw = {"name": "bench-ckpt", "store": store, "datasets": {"chat": {"path": str(data), "kind": "chat"}},
@@ -84,8 +77,7 @@ def run_pipeline(store: str, data: Path, tmp: Path, args, every: int, lines: Chi
                               "cpu_threads": args.threads,
                               "base_model": {"config": model_config(args.hidden, args.layers, args.max_length)}}}}
     tracker = Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench-ckpt")  # the default `tracking:` kind
-    plan = make_plan(parse_config(raw, REGISTRY, root=tmp), REGISTRY)
-    ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker)
+    plan, ctx = plan_run(raw, tmp, tracker)
     ctx.parent_run_id = tracker.start_run("pipeline", {})
     for name in ("ingest", "shard", "tokenizer"):
         execute_stage(ctx, name)
@@ -116,21 +108,12 @@ def run_pipeline(store: str, data: Path, tmp: Path, args, every: int, lines: Chi
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoints", type=int, default=2, help="checkpoints per run, at the default interval")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-length", type=int, default=128)
-    ap.add_argument("--rows", type=int, default=2000)
+    add_ints(ap, hidden=128, layers=4, batch=8, max_length=128, rows=2000)
     ap.add_argument("--threads", type=int, default=1, help="math threads of the training process (cpu_threads)")
     ap.add_argument("--stores", default="local,s3")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="lmforge-bench-ckpt-"))
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
-                       "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-                       "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LMFORGE_WORK_DIR": str(tmp / "work"),
-                       "DO_NOT_TRACK": "1"})
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    tmp = start("lmforge-bench-ckpt-", args.threads)
     lines = ChildLines()
     child = logging.getLogger("trainer.child")
     child.setLevel(logging.INFO)
@@ -139,8 +122,7 @@ def main() -> None:
     from trainer.settings import TrainSettings
 
     every = TrainSettings.model_fields["checkpoint_every_steps"].default
-    data = tmp / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(args.rows)))
+    data = write_jsonl(tmp / "chat.jsonl", sum_chat_rows(args.rows))
 
     rows = {}
     stores = args.stores.split(",")

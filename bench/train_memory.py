@@ -25,26 +25,20 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, add_ints, model_config, plan_run, start  # noqa: E402
 
 DEMO = REPO / "data" / "demo"
 
 
-def model_config(hidden: int, layers: int) -> dict:
-    return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": hidden * 3, "num_hidden_layers": layers,
-            "num_attention_heads": max(hidden // 64, 1), "num_key_value_heads": max(hidden // 128, 1),
-            "max_position_embeddings": 128, "tie_word_embeddings": True}
-
-
 def stages(args) -> dict[str, dict]:
     """Training stages by name; a stage whose kind has no tasks/<kind>.py yet is left out by the caller."""
-    model = {"config": model_config(args.hidden, args.layers)}
+    model = {"config": model_config(args.hidden, args.layers, 128)}
     common = {"max_steps": args.steps, "batch_size_per_device": 8, "max_length_tokens": 64, "learning_rate": 1e-3,
               "logging_steps": 2, "evaluate": False, "control_prompts": [], "retries": 0, "cpu_threads": args.threads}
     lora = {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
@@ -124,25 +118,16 @@ class TreeSampler:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    add_ints(ap, steps=4, hidden=256, layers=4)
     ap.add_argument("--threads", type=int, default=1, help="math threads of each training process (cpu_threads)")
     ap.add_argument("--only", help="comma-separated stage names (default: every one whose kind exists)")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="lmforge-bench-mem-"))
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
-                       "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-                       "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LMFORGE_WORK_DIR": str(tmp / "work"),
-                       "DO_NOT_TRACK": "1"})
+    tmp = start("lmforge-bench-mem-", args.threads)
     import logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("trainer.child").setLevel(logging.ERROR)  # library deprecation warnings of every child
-    from lmforge.config import parse_config
-    from lmforge.executor import RunContext, execute_stage
-    from lmforge.plan import make_plan
+    from lmforge.executor import execute_stage
     from tasks import REGISTRY
 
     wanted = stages(args)
@@ -158,8 +143,7 @@ def main() -> None:
                         "pairs": {"path": str(DEMO / "preference.jsonl"), "kind": "preference"}},
            "stages": {**data_stages(), **training}}
     try:
-        plan = make_plan(parse_config(raw, REGISTRY, root=tmp), REGISTRY)
-        ctx = RunContext(plan=plan, kinds=REGISTRY)
+        plan, ctx = plan_run(raw, tmp)
         t0 = time.perf_counter()
         for name in ("ingest_text", "shard_text", "ingest_chat", "shard_chat", "ingest_pairs", "shard_pairs"):
             execute_stage(ctx, name)
@@ -193,7 +177,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    cfg = model_config(args.hidden, args.layers)
+    cfg = model_config(args.hidden, args.layers, 128)
     print(f"\npeak memory per stage: llama {cfg['hidden_size']}x{cfg['num_hidden_layers']} from a config, batch 8 x "
           f"<= 64 tokens, {args.steps} steps, {args.threads} thread(s), CPU; load {os.getloadavg()[0]:.2f}\n")
     print(f"{'stage':<10} {'kind':<9} {'method':<6} {'steps':>5} {'seconds':>8} {'stage process MB':>17} "

@@ -5,7 +5,7 @@
 Setup (built once): chat rows of varied length (1 to 16 numbers to add up, so batches carry padding as real
 SFT does) written to a jsonl; the data stages ingest -> shard (no validation split) -> tokenizer (byte-level
 BPE, 1024) run through lmforge; the model is a Llama built from a config (default 256 wide, 6 layers, ~5M
-parameters: a step of 8 x <=128 tokens takes a few tenths of a second on one thread, so per-step costs show).
+parameters: small enough that per-step costs show next to a step's compute on one thread).
 
 The two sides, alternated A B A B ... so drift in the shared machine's load hits both alike:
 A  lmforge: `execute_stage` of an sft stage (forced to rerun), as `lmforge run` does it: preflight in this
@@ -29,52 +29,35 @@ training processes also time the Trainer's pieces (PROFILE_HOOK below): compute 
 clipping, optimizer), the log/save step, the other callbacks, and the rest. The compute is the same code
 on the same data on both sides; the bench also prints the ratio with it held equal, which the load does not
 blur. Where lmforge's extra time comes from (see the table's columns):
-- connecting to MLflow (import, MlflowClient, opening the sqlite store with its schema check: 0.4 s on an
-  idle machine, 1-2 s under load, once per run) happens in MetricsCallback.__init__, before trainer.train();
-  it used to happen at the first on_log, inside the loop, and was most of the gap (0.89-0.93 measured);
-- each log is one synchronous `log_batch` to sqlite, ~5-25 ms every logging_steps (0.1-1% of a
-  10-step window at these step times); the per-step callbacks (step timing, the checkpoint decision) cost
-  ~0.1 ms a step; nothing else differs (same data pipeline, same collator, same optimizer);
-- end to end, on top of that: the stage process's preflight (~2 s the first time a process builds the model
-  config and empty model, ~0.02 s after), MLflow's exit hooks in the child (~0.5 s), `write_model_info`,
-  publishing the artifact (sha256 of every file, manifest, MLflow run and model registry, ~0.2 s).
+- connecting to MLflow (import, MlflowClient, opening the sqlite store with its schema check, once per run,
+  slower under load) happens in MetricsCallback.__init__, before trainer.train(); it used to happen at the first
+  on_log, inside the loop, and was most of the gap;
+- each log is one synchronous `log_batch` to sqlite every logging_steps; the per-step callbacks (step timing, the
+  checkpoint decision) are small against a step; nothing else differs (same data pipeline, same collator, same
+  optimizer);
+- end to end, on top of that: the stage process's preflight (the first time a process builds the model config
+  and empty model; far less after), MLflow's exit hooks in the child, `write_model_info`, publishing the artifact
+  (sha256 of every file, manifest, MLflow run and model registry).
+Measured figures: docs/results.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import add_ints, model_config, plan_run, start, sum_chat_rows, write_jsonl  # noqa: E402
 
 #: tokenizer vocabulary; the model's vocab_size is the trained tokenizer's size
 VOCAB = 1024
-
-
-def model_config(hidden: int, layers: int, max_length: int) -> dict:
-    return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": hidden * 3, "num_hidden_layers": layers,
-            "num_attention_heads": max(hidden // 64, 1), "num_key_value_heads": max(hidden // 128, 1),
-            "max_position_embeddings": max_length, "tie_word_embeddings": True}
-
-
-def chat_rows(n: int, seed: int = 0) -> list[dict]:
-    """Sums of 1 to 16 numbers: conversations from ~15 to ~110 tokens, so padded batches as in real SFT."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        nums = [rng.randint(0, 999) for _ in range(rng.randint(1, 16))]
-        rows.append({"messages": [
-            {"role": "user", "content": f"Add up these numbers: {', '.join(map(str, nums))}."},
-            {"role": "assistant", "content": f"{' + '.join(map(str, nums))} = {sum(nums)}."}]})
-    return rows
 
 
 def sft_settings(args) -> dict:
@@ -138,7 +121,7 @@ def plain_script(data: str, tokenizer_dir: str, out: str, s: dict) -> dict:
 
 #: `sitecustomize.py` put on PYTHONPATH of both training processes (the stage's child and the plain script),
 #: never of this one: it times the Trainer's pieces of each step and writes them out at exit. A perf_counter
-#: pair around ~10 calls a step costs microseconds against steps of tenths of a second, and both sides pay it.
+#: pair around the few calls of a step costs little against the step itself, and both sides pay it.
 PROFILE_HOOK = """
 import atexit, collections, json, os, time
 
@@ -220,14 +203,11 @@ def median(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=3, help="A B rounds")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rows", type=int, default=800)
+    add_ints(ap, steps=40, rows=800)
     ap.add_argument("--method", choices=["full", "lora"], default="full")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-length", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1, help="math threads of every training process (cpu_threads; OMP_NUM_THREADS for the plain script)")
+    add_ints(ap, hidden=256, layers=6, batch=8, max_length=128)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="math threads of every training process (cpu_threads; OMP_NUM_THREADS for the plain script)")
     ap.add_argument("--no-tracking", action="store_true", help="no MLflow (the stage then logs nowhere)")
     ap.add_argument("--plain", help=argparse.SUPPRESS)  # worker: json {data, tokenizer, out, settings}
     args = ap.parse_args()
@@ -236,24 +216,11 @@ def main() -> None:
         print(json.dumps(plain_script(job["data"], job["tokenizer"], job["out"], job["settings"])))
         return
 
-    tmp = Path(tempfile.mkdtemp(prefix="lmforge-bench-train-"))
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
-                       "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-                       "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LMFORGE_WORK_DIR": str(tmp / "work"),
-                       "DO_NOT_TRACK": "1"})
-    sys.path.insert(0, str(REPO))
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from lmforge.config import parse_config
-    from lmforge.executor import RunContext, execute_stage
-    from lmforge.plan import make_plan
+    tmp = start("lmforge-bench-train-", args.threads)
+    from lmforge.executor import execute_stage
     from lmforge.tracking import Tracker
-    from tasks import REGISTRY
 
-    data = tmp / "data" / "chat.jsonl"
-    data.parent.mkdir(parents=True)
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(args.rows)))
+    data = write_jsonl(tmp / "data" / "chat.jsonl", sum_chat_rows(args.rows))
     settings = sft_settings(args)
     raw = {"name": "bench-train", "store": str(tmp / "artifacts"),
            "datasets": {"chat": {"path": str(data), "kind": "chat"}},
@@ -263,8 +230,7 @@ def main() -> None:
                       "sft": {"kind": "sft", "inputs": ["shard", "tokenizer"], "retries": 0, **settings}}}
     tracker = None if args.no_tracking else Tracker(f"sqlite:///{tmp / 'mlflow.db'}", "bench-train")
     t0 = time.perf_counter()
-    plan = make_plan(parse_config(raw, REGISTRY, root=tmp), REGISTRY)
-    ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker)
+    plan, ctx = plan_run(raw, tmp, tracker)
     for name in ("ingest", "shard", "tokenizer"):
         execute_stage(ctx, name)
     tok_dir = plan.store.require("tokenizer", plan.stages["tokenizer"].artifact_id).path
@@ -282,8 +248,7 @@ def main() -> None:
                        "BENCH_PROFILE_DIR": str(prof_dir)})
 
     def lmforge_run(i: int) -> dict:
-        plan = make_plan(parse_config(raw, REGISTRY, root=tmp), REGISTRY, force=["sft"])
-        ctx = RunContext(plan=plan, kinds=REGISTRY, tracker=tracker)
+        plan, ctx = plan_run(raw, tmp, tracker, force=["sft"])
         if tracker is not None:
             ctx.parent_run_id = tracker.start_run(f"pipeline-{i}", {})
         t = time.perf_counter()
@@ -358,8 +323,7 @@ def main() -> None:
     print(f"same tokens on both sides: {len(tokens) == 1}; bit-identical trained weights in "
           f"{sum(identical)}/{len(identical)} rounds")
     print(json.dumps({"method": args.method, "steps": args.steps, "tokens": sorted(tokens), "ratio": round(ratio, 4),
-                      "ratio_compute_equal": round(steady, 4),
-"e2e_ratio": round(e2e_ratio, 4),
+                      "ratio_compute_equal": round(steady, 4), "e2e_ratio": round(e2e_ratio, 4),
                       "identical_weights": sum(identical),
                       **{f"{k}_{m}": round(v, 3) for k, d in med.items() for m, v in d.items()},
                       "loadavg": [round(x, 2) for x in os.getloadavg()]}))

@@ -1,19 +1,16 @@
-"""Shared test setup: offline hub settings, a throw-away Prefect home, helpers to write configs.
+"""Shared test setup: offline hub settings, a throw-away Prefect home, and the fixtures several modules use (the
+plain helpers are in tests/helpers.py).
 
 Environment is set at import time, before any test imports Prefect, so the ephemeral Prefect API
 and its database live in a temp folder and nothing reaches a model or dataset hub.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 _TMP = Path(tempfile.mkdtemp(prefix="lmforge-tests-"))
 os.environ.update({
@@ -29,47 +26,7 @@ os.environ.update({
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return path
-
-
-def write_config(dir: Path, cfg: dict[str, Any], name: str = "pipeline.yaml") -> Path:
-    path = dir / name
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
-
-
-def text_rows(n: int, prefix: str = "doc") -> list[dict[str, str]]:
-    return [{"text": f"{prefix} number {i}: the quick brown fox jumps over the lazy dog {i * 7919 % 1000}."}
-            for i in range(n)]
-
-
-def basic_config(tmp: Path, n: int = 50, store: str | None = None, **shard: Any) -> dict[str, Any]:
-    """A two-branch pipeline: text and preference data, each ingested then sharded."""
-    write_jsonl(tmp / "data" / "text.jsonl", text_rows(n))
-    write_jsonl(tmp / "data" / "pairs.jsonl",
-                [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(20)])
-    return {
-        "name": "t",
-        "store": store or str(tmp / "artifacts"),
-        "tracking": f"sqlite:///{tmp / 'mlflow.db'}",
-        "datasets": {"text": {"path": "data/text.jsonl", "kind": "text"},
-                     "pairs": {"path": "data/pairs.jsonl", "kind": "preference"}},
-        "stages": {
-            "ingest": {"kind": "ingest", "inputs": ["text"], "retries": 0},
-            "shard": {"kind": "shard", "inputs": ["ingest"], "max_count": 20, "validation_fraction": 0.1,
-                      "retries": 0, **shard},
-            "ingest_pairs": {"kind": "ingest", "inputs": ["pairs"], "retries": 0},
-            "shard_pairs": {"kind": "shard", "inputs": ["ingest_pairs"], "retries": 0},
-        },
-    }
+from tests.helpers import aws_environment, chat_rows, chat_store  # noqa: E402  (after the environment above)
 
 
 @pytest.fixture
@@ -87,6 +44,13 @@ def kinds_module():
     return REGISTRY
 
 
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, kinds_module):
+    """A store with the chat set's data stages run (tests/helpers.py train_pipeline), once per module; the training
+    tests add their stages to it. Modules with other data define their own `root`."""
+    return chat_store(tmp_path_factory.mktemp("train"), kinds_module, chat_rows(200))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_prefect_ephemeral_server():
     """Stop Prefect's temporary API server while pytest's output streams are still open."""
@@ -102,27 +66,6 @@ def _stop_prefect_ephemeral_server():
         for server in list(SubprocessASGIServer._instances.values()):
             if server.running:
                 server.stop()
-
-
-@contextlib.contextmanager
-def aws_environment(env: dict[str, str]):
-    """`env`'s AWS_* variables set in this process while inside (s3fs takes endpoint and keys from them), and
-    s3fs's cached filesystems dropped on the way in and out (a cached one keeps another server's endpoint)."""
-    import s3fs
-
-    keys = [k for k in env if k.startswith("AWS_")]
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update({k: env[k] for k in keys})
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="session")
@@ -156,8 +99,8 @@ def short_demo_runs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """`prefect server start` on a free port of 127.0.0.1 with its own PREFECT_HOME and sqlite database, shared by
-    the tests that need a real server (cancellation, deployments): it takes 30-60 s to start on a loaded 2-core
-    machine. Yields its API URL; stopped by its PID, with whatever it started."""
+    the tests that need a real server (cancellation, deployments): it is slow to start on a loaded machine. Yields
+    its API URL; stopped by its PID, with whatever it started."""
     import subprocess
     import sys
     import time
@@ -178,7 +121,7 @@ def prefect_server(tmp_path_factory):
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.monotonic() + 180  # ~10 s on an idle 2-core machine, far more under load
+        deadline = time.monotonic() + 180  # far longer under load than idle
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             try:

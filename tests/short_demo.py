@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 TRAINED = ("tokenizer", "pretrain", "sft", "reward", "dpo", "ppo")
 SHORT = {"pretrain": {"max_steps": 30, "checkpoint_every_steps": 10},

@@ -1,111 +1,38 @@
 """Alignment stages: reward (TRL RewardTrainer) and dpo (TRL DPOTrainer) on top of a tiny SFT model.
 
-The same tiny Llama and on-the-fly tokenizer as tests/test_trainer.py. The preference set is learnable:
-the chosen answer is the SFT format with the right sum ("3 plus 4 equals 7."), the rejected one a
-differently worded wrong sum ("I think it is 9."). On top of the 120 good pairs it holds 6 pairs with
-chosen == rejected (skipped by both stages) and 5 pairs whose prompt alone is longer than
-max_length_tokens (dropped by DPOTrainer, and by RewardTrainer as too long): the counts are exact.
-The data stages and one full SFT stage run once per module into a shared store.
+The same tiny Llama and on-the-fly tokenizer as tests/test_trainer.py, and the pipeline and preference set of
+tests/helpers.py (align_pipeline, preference_rows). The preference set is learnable: the chosen answer is the SFT
+format with the right sum ("3 plus 4 equals 7."), the rejected one a differently worded wrong sum ("I think it is
+9."). On top of the 120 good pairs it holds 6 pairs with chosen == rejected (skipped by both stages) and 5 pairs
+whose prompt alone is longer than max_length_tokens (dropped by DPOTrainer, and by RewardTrainer as too long): the
+counts are exact. The data stages and one full SFT stage run once per module into a shared store.
 """
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from lmforge.config import parse_config
-from lmforge.executor import RunContext, execute_stage
-from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
-from tests.test_trainer import SFT_FAST, TINY_LLAMA, artifact, chat_rows
-
-GOOD, IDENTICAL, LONG = 120, 6, 5
-MAX_LENGTH = 64
-
-
-def preference_rows() -> list[dict[str, str]]:
-    rows = []
-    for i in range(GOOD):
-        a, b = i % 10, (i // 10) % 10
-        wrong = a + b + 1 + i % 3
-        rows.append({"prompt": f"What is {a} plus {b}?", "chosen": f"{a} plus {b} equals {a + b}.",
-                     "rejected": f"I think it is {wrong}."})
-    for i in range(IDENTICAL):  # nothing to prefer
-        rows.append({"prompt": f"What is {i} plus {i}?", "chosen": f"{i} plus {i} equals {2 * i}.",
-                     "rejected": f"{i} plus {i} equals {2 * i}."})
-    for i in range(LONG):  # the prompt alone is far beyond max_length_tokens
-        rows.append({"prompt": " ".join([f"What is {i} plus {i}?"] * 30), "chosen": f"{i} plus {i} equals {2 * i}.",
-                     "rejected": f"I think it is {2 * i + 1}."})
-    return rows
-
-
-def pipeline(root: Path, stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "name": "align",
-        "store": str(root / "artifacts"),
-        "tracking": f"sqlite:///{root / 'mlflow.db'}",
-        "datasets": {"chat": {"path": "data/chat.jsonl", "kind": "chat"},
-                     "pairs": {"path": "data/pairs.jsonl", "kind": "preference"}},
-        "stages": {
-            "ingest": {"kind": "ingest", "inputs": ["chat"], "retries": 0},
-            "shard": {"kind": "shard", "inputs": ["ingest"], "validation_fraction": 0.1, "retries": 0},
-            "tokenizer": {"kind": "tokenizer", "inputs": ["shard"], "vocab_size": 300, "min_frequency": 1,
-                          "retries": 0},
-            "ingest_pairs": {"kind": "ingest", "inputs": ["pairs"], "retries": 0},
-            "shard_pairs": {"kind": "shard", "inputs": ["ingest_pairs"], "validation_fraction": 0.15, "retries": 0},
-            "sft": {"kind": "sft", "inputs": ["shard", "tokenizer"], "base_model": {"config": TINY_LLAMA},
-                    "method": "full", "max_steps": 12, "evaluate": False, **SFT_FAST},
-            **stages,
-        },
-    }
-
-
-def run_stages(root: Path, kinds, stages: dict[str, dict[str, Any]], names: list[str], tracker=None):
-    plan = make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
-    ctx = RunContext(plan=plan, kinds=kinds, tracker=tracker)
-    if tracker is not None:
-        ctx.parent_run_id = tracker.start_run("pipeline", {})
-    out = {n: execute_stage(ctx, n) for n in names}
-    return plan, out
+from tests.helpers import (IDENTICAL, LONG, TINY_LLAMA, align_pipeline, align_store, artifact, assert_pair_counts,
+                           assert_tuned_model_reloads_and_generates, chat_rows, dpo, metric_steps, plan_of,
+                           preference_rows, reward, run_align, signal_after_first_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
-    root = tmp_path_factory.mktemp("align")
-    write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
-    write_jsonl(root / "data" / "pairs.jsonl", preference_rows())
-    run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft"])
-    return root
+    return align_store(tmp_path_factory.mktemp("align"), kinds_module, chat_rows(200), preference_rows())
 
 
-FAST = {"max_length_tokens": MAX_LENGTH, "batch_size_per_device": 8, "warmup_steps": 1, "logging_steps": 1,
-        "retries": 0}
-
-
-def reward(**over) -> dict[str, Any]:
-    return {"kind": "reward", "inputs": ["shard_pairs", "sft"], "learning_rate": 1e-3, **FAST, **over}
-
-
-def dpo(**over) -> dict[str, Any]:
-    return {"kind": "dpo", "inputs": ["shard_pairs", "sft"], "learning_rate": 5e-3, "beta": 0.1, **FAST, **over}
-
-
-def _counts(r: dict[str, Any], dropped_key: str) -> None:
-    """Exact skip and drop counts: every record is either used, identical, or too long."""
-    assert r["train_records"] + r["validation_records"] == GOOD + IDENTICAL + LONG
-    assert r["skipped_identical_pairs"] == IDENTICAL
-    assert r[dropped_key] == LONG
-    assert r["train_pairs"] + r["validation_pairs"] == GOOD
-    # the shard stage's split is a seeded hash of the record ids: 111 train and 20 validation records, of which
-    # 101 and 19 pairs are used (the 6 identical and 5 too long pairs fall 5 + 5 in train, 1 + 0 in validation)
-    assert (r["train_records"], r["validation_records"], r["train_pairs"], r["validation_pairs"]) == (111, 20, 101, 19)
-
-
-def _metric_steps(client, run_id: str, key: str) -> list[tuple[int, float]]:
-    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+def _assert_pair_metrics(client, run_id: str, r: dict, steps: int) -> None:
+    """A reward or dpo stage's MLflow run: loss, reward accuracy and margin every step, held-out ones at the end."""
+    assert [s for s, _ in metric_steps(client, run_id, "train/loss")] == list(range(1, steps + 1))
+    assert len(metric_steps(client, run_id, "train/reward_accuracy")) == steps
+    assert len(metric_steps(client, run_id, "train/margin")) == steps
+    assert metric_steps(client, run_id, "eval/reward_accuracy") == [(steps, pytest.approx(r["eval_reward_accuracy"]))]
+    assert metric_steps(client, run_id, "eval/margin") == [(steps, pytest.approx(r["eval_margin"]))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,10 +44,10 @@ def test_reward_model_on_the_sft_model_learns_the_preference(root, kinds_module)
     from safetensors.torch import load_file
 
     from lmforge.tracking import Tracker
-    from trainer.reward import load_reward_model
+    from trainer.preference import load_reward_model
 
     tracker = Tracker(f"sqlite:///{root / 'mlflow-reward.db'}", "align")
-    plan, out = run_stages(root, kinds_module, {"rm": reward(method="full", max_steps=15)}, ["rm"], tracker=tracker)
+    plan, out = run_align(root, kinds_module, {"rm": reward(method="full", max_steps=15)}, ["rm"], tracker=tracker)
     art, sft_art = artifact(plan, "rm"), artifact(plan, "sft")
     r = art.result
     assert art.manifest["output"] == {"type": "model", "data_kind": "reward"}
@@ -130,7 +57,7 @@ def test_reward_model_on_the_sft_model_learns_the_preference(root, kinds_module)
     assert (info["kind"], info["format"], info["num_labels"]) == ("reward_model", "full", 1)
     assert info["base"] == {"kind": "artifact_ref", "ref": {"store": plan.store.url, "kind": "sft", "id": sft_art.id}}
     assert (r["method"], r["steps"], r["base_model"]) == ("full", 15, f"sft artifact {sft_art.id}")
-    _counts(r, "dropped_too_long")
+    assert_pair_counts(r, "dropped_too_long")
     assert math.isfinite(r["train_loss_first"]) and r["train_loss_last"] < r["train_loss_first"] - 0.3, r
     assert r["eval_reward_accuracy"] >= 0.9 and r["eval_margin"] > 0, r
     # every backbone weight moved away from the SFT model; the score head is new
@@ -149,11 +76,7 @@ def test_reward_model_on_the_sft_model_learns_the_preference(root, kinds_module)
     # metrics on the stage's MLflow run: per step, and held-out at the end
     run_id = out["rm"]["mlflow_run_id"]
     client = tracker.client
-    assert [s for s, _ in _metric_steps(client, run_id, "train/loss")] == list(range(1, 16))
-    assert len(_metric_steps(client, run_id, "train/reward_accuracy")) == 15
-    assert len(_metric_steps(client, run_id, "train/margin")) == 15
-    assert _metric_steps(client, run_id, "eval/reward_accuracy") == [(15, pytest.approx(r["eval_reward_accuracy"]))]
-    assert _metric_steps(client, run_id, "eval/margin") == [(15, pytest.approx(r["eval_margin"]))]
+    _assert_pair_metrics(client, run_id, r, 15)
     assert client.get_run(run_id).data.metrics["skipped_identical_pairs"] == IDENTICAL
 
 
@@ -161,12 +84,12 @@ def test_reward_lora_from_a_config_model_and_tokenizer(root, kinds_module):
     import torch
     from safetensors.torch import load_file
 
-    from trainer.reward import load_reward_model
+    from trainer.preference import load_reward_model
 
     stage = reward(inputs=["shard_pairs", "tokenizer"], base_model={"config": TINY_LLAMA}, method="lora",
                    max_steps=8, learning_rate=1e-2, evaluate=False,
                    lora={"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]})
-    plan, _ = run_stages(root, kinds_module, {"rm_lora": stage}, ["rm_lora"])
+    plan, _ = run_align(root, kinds_module, {"rm_lora": stage}, ["rm_lora"])
     art = artifact(plan, "rm_lora")
     r = art.result
     assert (r["method"], r["steps"], r["validation_pairs"], r["eval_reward_accuracy"]) == ("lora", 8, 0, None)
@@ -187,21 +110,19 @@ def test_reward_lora_from_a_config_model_and_tokenizer(root, kinds_module):
 
 
 def test_dpo_lora_on_the_sft_model_counts_drops_and_generates(root, kinds_module):
-    import torch
     from safetensors.torch import load_file
 
     from lmforge.tracking import Tracker
-    from trainer import models
 
     tracker = Tracker(f"sqlite:///{root / 'mlflow-dpo.db'}", "align")
     stage = dpo(method="lora", max_steps=12, lora={"rank": 8, "alpha": 16, "dropout": 0.0,
                                                    "target_modules": "all-linear"})
-    plan, out = run_stages(root, kinds_module, {"dpo": stage}, ["dpo"], tracker=tracker)
+    plan, out = run_align(root, kinds_module, {"dpo": stage}, ["dpo"], tracker=tracker)
     art, sft_art = artifact(plan, "dpo"), artifact(plan, "sft")
     r = art.result
     assert art.manifest["output"] == {"type": "model", "data_kind": None}
     assert (r["method"], r["format"], r["reference"], r["steps"]) == ("lora", "adapter", "adapter disabled", 12)
-    _counts(r, "dropped_prompt_too_long")
+    assert_pair_counts(r, "dropped_prompt_too_long")
     # at step 1 the policy is the reference: the sigmoid DPO loss is exactly log 2
     assert r["train_loss_first"] == pytest.approx(math.log(2), abs=1e-4)
     assert r["train_loss_last"] < r["train_loss_first"] - 0.1, r
@@ -211,23 +132,11 @@ def test_dpo_lora_on_the_sft_model_counts_drops_and_generates(root, kinds_module
     assert info["base"] == {"kind": "artifact_ref", "ref": {"store": plan.store.url, "kind": "sft", "id": sft_art.id}}
     adapter = load_file(f"{art.path}/adapter_model.safetensors")
     assert adapter and all(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero
-    # reloads (adapter merged onto the SFT model from the store), differs from the SFT model and generates
-    model, tok = models.load_trained(Path(art.path))
-    sft_model, _ = models.load_trained(Path(sft_art.path))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 5?"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        assert not torch.allclose(model(**prompt).logits, sft_model(**prompt).logits)
-    gen = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    assert gen.shape[1] > prompt["input_ids"].shape[1]
+    assert_tuned_model_reloads_and_generates(art, sft_art)
     # metrics on the stage's MLflow run
     run_id = out["dpo"]["mlflow_run_id"]
     client = tracker.client
-    assert [s for s, _ in _metric_steps(client, run_id, "train/loss")] == list(range(1, 13))
-    assert len(_metric_steps(client, run_id, "train/reward_accuracy")) == 12
-    assert len(_metric_steps(client, run_id, "train/margin")) == 12
-    assert _metric_steps(client, run_id, "eval/reward_accuracy") == [(12, pytest.approx(r["eval_reward_accuracy"]))]
-    assert _metric_steps(client, run_id, "eval/margin") == [(12, pytest.approx(r["eval_margin"]))]
+    _assert_pair_metrics(client, run_id, r, 12)
     assert client.get_run(run_id).data.metrics["dropped_prompt_too_long"] == LONG
 
 
@@ -239,7 +148,7 @@ def test_eval_scores_reward_and_dpo_models_on_held_out_pairs(root, kinds_module)
     ev = {"kind": "eval", "inputs": ["sft", "dpo", "rm", "shard_pairs"], "retries": 0, "batch_size": 8,
           "models": [{"name": "sft", "input": "sft"}, {"name": "dpo", "input": "dpo"}],
           "preference": {"input": "shard_pairs", "reference": "sft", "reward_models": ["rm"]}}
-    plan, _ = run_stages(root, kinds_module, {"rm": reward(method="full", max_steps=15),
+    plan, _ = run_align(root, kinds_module, {"rm": reward(method="full", max_steps=15),
                                               "dpo": dpo(method="lora", max_steps=12, lora=lora), "eval": ev},
                          ["rm", "dpo", "eval"])
     rm, dpo_r, r = artifact(plan, "rm").result, artifact(plan, "dpo").result, artifact(plan, "eval").result
@@ -262,18 +171,18 @@ def test_eval_rejects_a_reward_model_as_a_generating_model(root, kinds_module):
 
     ev = {"kind": "eval", "inputs": ["rm"], "models": [{"name": "rm", "input": "rm"}]}
     with pytest.raises(ConfigError) as e:
-        make_plan(parse_config(pipeline(root, {"rm": reward(), "eval": ev}), kinds_module, root=root), kinds_module)
+        plan_of(align_pipeline(root, {"rm": reward(), "eval": ev}), kinds_module, root)
     assert "models[0].input 'rm' is a reward model, which scores text and does not generate; list it in " \
            "preference.reward_models instead" in str(e.value)
     ev = {"kind": "eval", "inputs": ["sft", "shard_pairs"], "models": [{"name": "policy", "input": "sft"}],
           "preference": {"input": "shard_pairs", "reward_models": ["sft"]}}
     with pytest.raises(ConfigError) as e:
-        make_plan(parse_config(pipeline(root, {"eval": ev}), kinds_module, root=root), kinds_module)
+        plan_of(align_pipeline(root, {"eval": ev}), kinds_module, root)
     assert "preference.reward_models[0] 'sft' is model; it needs a reward model (the output of a reward stage)" \
         in str(e.value)
     ev["models"] = [{"name": "sft", "input": "sft"}]  # a reward model's row is named after its stage
     with pytest.raises(ConfigError) as e:
-        parse_config(pipeline(root, {"eval": ev}), kinds_module, root=root)
+        parse_config(align_pipeline(root, {"eval": ev}), kinds_module, root=root)
     assert "stages.eval.preference: value error, reward_models sft: a reward model's row is named after its stage, " \
            "and a model entry already has that name; rename the entry" in str(e.value)
 
@@ -282,7 +191,7 @@ def test_dpo_full_trains_against_a_frozen_reference(root, kinds_module):
     import torch
     from safetensors.torch import load_file
 
-    plan, _ = run_stages(root, kinds_module, {"dpo_full": dpo(method="full", max_steps=6, learning_rate=1e-3,
+    plan, _ = run_align(root, kinds_module, {"dpo_full": dpo(method="full", max_steps=6, learning_rate=1e-3,
                                                                    evaluate=False, checkpoint_every_steps=3)},
                          ["dpo_full"])
     art, sft_art = artifact(plan, "dpo_full"), artifact(plan, "sft")
@@ -299,7 +208,7 @@ def test_dpo_full_trains_against_a_frozen_reference(root, kinds_module):
 def test_dpo_qlora_on_a_4bit_base(root, kinds_module):
     stage = dpo(method="qlora", max_steps=4, learning_rate=1e-2, evaluate=False,
                 lora={"rank": 4, "target_modules": "all-linear"})
-    plan, _ = run_stages(root, kinds_module, {"dpo_qlora": stage}, ["dpo_qlora"])
+    plan, _ = run_align(root, kinds_module, {"dpo_qlora": stage}, ["dpo_qlora"])
     r = artifact(plan, "dpo_qlora").result
     assert (r["format"], r["reference"], r["steps"]) == ("adapter", "frozen copy of the initial adapter", 4)
     assert r["train_loss_first"] == pytest.approx(math.log(2), abs=1e-3)
@@ -318,7 +227,7 @@ def test_align_config_errors(root, kinds_module):
         "rm_no_model": reward(inputs=["shard_pairs"]),
     }
     with pytest.raises(ConfigError) as e:
-        parse_config(pipeline(root, bad), kinds_module, root=root)
+        parse_config(align_pipeline(root, bad), kinds_module, root=root)
     assert sorted(e.value.problems) == sorted([
         "stages.dpo_no_model.inputs: dpo needs a model to start from: add an sft stage to inputs",
         "stages.dpo_base.inputs: dpo starts from the model it is given in inputs (an sft stage); remove base_model",
@@ -332,36 +241,6 @@ def test_align_config_errors(root, kinds_module):
 
 # ----------------------------------------------------------------------------------------------
 # checkpoints: SIGKILL the training process, rerun, resume
-
-
-def _kill_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str) -> tuple[int, list[BaseException]]:
-    import signal
-    import threading
-    import time
-
-    from tests.test_trainer import _training_child
-    from trainer import checkpoint
-
-    plan = make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
-    uri = plan.store.checkpoint_uri(plan.stages[name].kind, plan.stages[name].artifact_id)
-    errors: list[BaseException] = []
-
-    def attempt():
-        try:
-            execute_stage(RunContext(plan=plan, kinds=kinds), name)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    t = threading.Thread(target=attempt)
-    t.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and checkpoint.latest_complete(uri) is None and t.is_alive():
-        time.sleep(0.005)
-    child = _training_child()
-    assert child is not None and checkpoint.latest_complete(uri) is not None, "no checkpoint before the run ended"
-    child.send_signal(signal.SIGKILL)
-    t.join(60)
-    return checkpoint.latest_complete(uri)[0], errors
 
 
 @pytest.mark.parametrize("kind", ["reward", "dpo", "dpo_streamed"])
@@ -378,11 +257,12 @@ def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(root, kinds_module,
     if kind == "dpo_streamed":
         stages = {"tok": {"kind": "tokenize", "inputs": ["shard_pairs", "sft"], "retries": 0},
                   "resume": {**stage, "inputs": ["tok", "sft"]}}
-        run_stages(root, kinds_module, stages, ["tok"])
-    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, stages, "resume")
+        run_align(root, kinds_module, stages, ["tok"])
+    killed_at, errors = signal_after_first_checkpoint(plan_of(align_pipeline(root, stages), kinds_module, root),
+                                                      kinds_module, "resume")
     assert killed_at % 2 == 0 and 2 <= killed_at < 40
     assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
-    plan, out = run_stages(root, kinds_module, stages, ["resume"])
+    plan, out = run_align(root, kinds_module, stages, ["resume"])
     assert out["resume"]["status"] == "ran"
     r = artifact(plan, "resume").result
     assert (r["resumed_from_step"], r["steps"]) == (killed_at, 40)

@@ -8,8 +8,7 @@ import random
 import pytest
 
 from lmforge.tracking import Tracker
-from tests.conftest import write_jsonl
-from tests.test_trainer import artifact, run_stages, sft
+from tests.helpers import artifact, chat_store, run_stages, sft
 from trainer.batching import LengthGroupedSampler, PaddingMeter, padding_of
 
 
@@ -71,10 +70,7 @@ def varied_chat(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def varied_root(tmp_path_factory, kinds_module):
-    root = tmp_path_factory.mktemp("varied")
-    write_jsonl(root / "data" / "chat.jsonl", varied_chat(240))
-    run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer"])
-    return root
+    return chat_store(tmp_path_factory.mktemp("varied"), kinds_module, varied_chat(240))
 
 
 def test_sft_with_grouped_batches_trains_on_less_padding(varied_root, kinds_module):

@@ -9,14 +9,12 @@ the user cancels through with the user's own command.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 
 import psutil
-import pytest
 
-from tests.test_signals import assert_stopped_then_resumed, start_training_run
+from tests.helpers import assert_stopped_then_resumed, start_training_run
 
 STEPS = 600
 

@@ -6,7 +6,7 @@ import pytest
 from flows.cli import main
 from lmforge.config import load_config, parse_config
 from lmforge.errors import ConfigError
-from tests.conftest import basic_config, write_config
+from tests.helpers import basic_config, write_config
 
 
 def problems(raw, kinds) -> list[str]:
@@ -108,7 +108,7 @@ def test_cli_validate_exit_codes_and_text(tmp_path, capsys):
 
 
 def test_demo_config_is_valid(kinds):
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     cfg = load_config(REPO / "configs" / "demo.yaml", kinds)
     assert cfg.root == REPO and cfg.store_url == str(REPO / "artifacts")

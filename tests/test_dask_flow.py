@@ -6,7 +6,7 @@ import pytest
 from flows.pipeline import pipeline
 from lmforge.records import iter_records
 from lmforge.store import ArtifactStore
-from tests.conftest import text_rows, write_config, write_jsonl
+from tests.helpers import text_rows, write_config, write_jsonl
 
 
 def data_config(tmp, store, dask_address=None):

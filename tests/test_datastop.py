@@ -30,7 +30,7 @@ from lmforge.log import Progress
 from lmforge.parallel import Mapper, ProcessPoolMapper, make_mapper
 from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore
-from tests.conftest import REPO, basic_config, text_rows, write_config, write_jsonl
+from tests.helpers import REPO, basic_config, text_rows, write_config, write_jsonl
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
 from tasks import decontaminate as dc
 from tasks import eval as eval_stage
-from tests.conftest import text_rows, write_jsonl
+from tests.helpers import text_rows, write_jsonl
 
 # the local task: questions long enough for 13-grams
 QUIZ = [

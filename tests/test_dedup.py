@@ -14,8 +14,8 @@ from datasketch.hashfunc import sha1_hash32
 from lmforge import fingerprint
 from lmforge.config import parse_config
 from lmforge.errors import ConfigError
+from lmforge.port import Port
 from lmforge.records import RecordWriter, iter_records
-from lmforge.stage import Port
 from lmforge.store import ArtifactStore, artifact_id
 from tasks import REGISTRY, minhash
 from tasks.dedup import STAGE, DedupConfig, run

@@ -15,7 +15,7 @@ from flows.cli import main
 from lmforge.config import load_config
 from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 DEMO = REPO / "configs" / "demo.yaml"
 SMOLLM2 = REPO / "configs" / "smollm2_lora.yaml"
@@ -84,7 +84,7 @@ def test_readme_shows_the_bands_the_config_declares():
 
 
 def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
-    """The whole demo through `lmforge run` (~7 minutes on 2 cores), held to the bands of configs/demo.yaml (the
+    """The whole demo through `lmforge run` (minutes on 2 cores), held to the bands of configs/demo.yaml (the
     README shows the same ones): a fresh clone on a new machine that lands outside one fails here, naming it."""
     store = tmp_path / "artifacts"
     summary_path = tmp_path / "summary.json"
@@ -144,7 +144,7 @@ def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
 def test_without_adapter_needs_a_training_stage_and_keeps_earlier_eval_ids():
     from pydantic import ValidationError
 
-    from tasks.eval import EvalConfig, ModelEntry
+    from tasks.evaluation.config import EvalConfig, ModelEntry
 
     with pytest.raises(ValidationError, match="without_adapter needs `input:`"):
         ModelEntry(name="base", base="some/folder", without_adapter=True)

@@ -2,8 +2,8 @@
 run`, a real process worker (`lmforge worker --run-once`: Prefect's process worker with an exit status), then
 `lmforge status` and `lmforge rerun`.
 
-One server for the module (it takes 30-60 s to start on a loaded 2-core machine). The pipeline is the tiny data-only
-one of tests/conftest.py (four stages), so a worker run takes ~15 s, most of it imports.
+One server for the module (it is slow to start on a loaded machine). The pipeline is the tiny data-only one of
+tests/helpers.py basic_config (four stages), so a worker run is short, most of it imports.
 """
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from flows.flowrun import PROJECT_ROOT, resolve_config_path
-from tests.conftest import REPO, basic_config, write_config, write_jsonl
+from tests.helpers import REPO, basic_config, write_config, write_jsonl
 
 POOL = "lmforge-test"
 STAGES = ["ingest", "shard", "ingest_pairs", "shard_pairs"]

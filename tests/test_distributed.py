@@ -1,27 +1,22 @@
 """Scale and precision: the precision table, DeepSpeed / FSDP configs and their errors, launch commands, and real
 2-process runs on CPU: DeepSpeed ZeRO-2 through the sft stage (with a resume), and DDP resumed after a SIGKILL.
 
-The tiny Llama, the data stages and the helpers come from tests/test_trainer.py. Multi-process runs use gloo on
+The tiny Llama, the data stages and the helpers come from tests/helpers.py. Multi-process runs use gloo on
 the 2 shared cores; each takes about half a minute (most of it importing the ML stack in every process).
 """
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from lmforge.config import parse_config
 from lmforge.errors import ConfigError
-from lmforge.executor import RunContext, execute_stage
-from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
-from tests.test_trainer import artifact, chat_rows, pipeline, root, run_stages, sft  # noqa: F401
+from tests.helpers import (artifact, chat_rows, plan_of, run_stages, sft, signal_after_first_checkpoint,
+                           stage_in_thread, train_pipeline, training_processes, wait_for_checkpoint, write_jsonl)
 from trainer import distributed
 from trainer.errors import SettingError
 
@@ -168,7 +163,7 @@ def test_bad_launch_settings_fail_the_stage_before_any_process_starts(root, kind
                     "max_grad_norm: write \"auto\" or leave it out"),
     }
     for name, (stage, expected) in cases.items():
-        plan = make_plan(parse_config(pipeline(root, {"bad": stage}), kinds_module, root=root), kinds_module)
+        plan = plan_of(train_pipeline(root, {"bad": stage}), kinds_module, root)
         t0 = time.monotonic()
         with pytest.raises(ConfigError) as e:
             run_stages(root, kinds_module, {"bad": stage}, ["bad"])
@@ -181,7 +176,7 @@ def test_presets_and_endpoints_are_checked_when_the_config_is_parsed(root, kinds
     bad = {"ds": sft(launcher="torchrun", deepspeed="zero5"), "fsdp": sft(launcher="torchrun", fsdp="half_shard"),
            "ep": sft(launcher="torchrun", nnodes=2, rdzv_endpoint="node0"), "num": sft(deepspeed=2)}
     with pytest.raises(ConfigError) as e:
-        parse_config(pipeline(root, bad), kinds_module, root=root)
+        parse_config(train_pipeline(root, bad), kinds_module, root=root)
     assert sorted(e.value.problems) == sorted([
         "stages.ds.deepspeed: value error, no deepspeed preset 'zero5'; shipped presets: zero2, zero2_offload, zero3, "
         "zero3_offload (in configs/deepspeed/); or give a .json/.yaml file path or a mapping, got 'zero5'",
@@ -247,7 +242,7 @@ def test_launch_commands(tmp_path):
 
 def test_launch_settings_stay_out_of_the_artifact_id_and_precision_and_sharding_do_not(root, kinds_module):
     def sft_id(**over) -> str:
-        plan = make_plan(parse_config(pipeline(root, {"s": sft(**over)}), kinds_module, root=root), kinds_module)
+        plan = plan_of(train_pipeline(root, {"s": sft(**over)}), kinds_module, root)
         return plan.stages["s"].artifact_id
 
     base = sft_id(launcher="torchrun", nproc_per_node=2)
@@ -267,57 +262,15 @@ def test_launch_settings_stay_out_of_the_artifact_id_and_precision_and_sharding_
 # real runs with 2 processes on CPU (gloo)
 
 
-def _training_processes() -> list:
-    """Every process of the running stage's training (torchrun agent and ranks)."""
-    import psutil
-
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "trainer.entry" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return out
-
-
-def _kill_all_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str) -> tuple[int, list]:
-    """Run the stage in a thread; SIGKILL every training process (a machine lost) once a checkpoint is uploaded.
-    Returns the newest complete checkpoint's step and what the stage raised."""
-    from trainer import checkpoint
-
-    plan = make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
-    uri = plan.store.checkpoint_uri("sft", plan.stages[name].artifact_id)
-    errors: list[BaseException] = []
-
-    def attempt():
-        try:
-            execute_stage(RunContext(plan=plan, kinds=kinds), name)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    t = threading.Thread(target=attempt)
-    t.start()
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and checkpoint.latest_complete(uri) is None and t.is_alive():
-        time.sleep(0.005)
-    procs = _training_processes()
-    assert len(procs) == 3 and checkpoint.latest_complete(uri) is not None, "no checkpoint before the run ended"
-    for p in procs:  # torchrun and both ranks, all at once: nothing gets to clean up
-        p.send_signal(signal.SIGKILL)
-    t.join(60)
-    assert not t.is_alive()
-    return checkpoint.latest_complete(uri)[0], errors
-
-
 def test_ddp_two_processes_resume_after_sigkill(root, kinds_module):
     from trainer import checkpoint
     from trainer.errors import TrainingError
 
     stage = sft(method="full", max_steps=16, launcher="torchrun", nproc_per_node=2, batch_size_per_device=4,
                 checkpoint_every_steps=2, keep_checkpoints=2, evaluate=False)
-    killed_at, errors = _kill_all_after_first_checkpoint(root, kinds_module, {"ddp_resume": stage}, "ddp_resume")
-    plan = make_plan(parse_config(pipeline(root, {"ddp_resume": stage}), kinds_module, root=root), kinds_module)
+    plan = plan_of(train_pipeline(root, {"ddp_resume": stage}), kinds_module, root)
+    # torchrun and both ranks, all at once: nothing gets to clean up
+    killed_at, errors = signal_after_first_checkpoint(plan, kinds_module, "ddp_resume", processes=3, wait_s=180)
     uri = plan.store.checkpoint_uri("sft", plan.stages["ddp_resume"].artifact_id)
     assert killed_at % 2 == 0 and 2 <= killed_at < 16
     assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
@@ -382,7 +335,8 @@ def test_deepspeed_zero2_resumed_after_sigkill_matches_an_uninterrupted_run(root
 
     stage = sft(method="full", max_steps=12, launcher="torchrun", nproc_per_node=2, deepspeed="zero2",
                 batch_size_per_device=4, checkpoint_every_steps=2, evaluate=False, seed=1)
-    killed_at, errors = _kill_all_after_first_checkpoint(root, kinds_module, {"zero2_resume": stage}, "zero2_resume")
+    plan = plan_of(train_pipeline(root, {"zero2_resume": stage}), kinds_module, root)
+    killed_at, errors = signal_after_first_checkpoint(plan, kinds_module, "zero2_resume", processes=3, wait_s=180)
     assert killed_at % 2 == 0 and 2 <= killed_at < 12
     assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
     plan, _ = run_stages(root, kinds_module, {"zero2_resume": stage}, ["zero2_resume"])
@@ -407,22 +361,10 @@ def test_sigterm_reaches_every_rank_which_checkpoint_and_stop(root, kinds_module
 
     stage = sft(method="full", max_steps=400, launcher="torchrun", nproc_per_node=2, batch_size_per_device=4,
                 checkpoint_every_steps=5, evaluate=False)
-    plan = make_plan(parse_config(pipeline(root, {"preempt_ddp": stage}), kinds_module, root=root), kinds_module)
-    uri = plan.store.checkpoint_uri("sft", plan.stages["preempt_ddp"].artifact_id)
-    errors: list[BaseException] = []
-
-    def attempt():
-        try:
-            execute_stage(RunContext(plan=plan, kinds=kinds_module), "preempt_ddp")
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    t = threading.Thread(target=attempt)
-    t.start()
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and checkpoint.latest_complete(uri) is None and t.is_alive():
-        time.sleep(0.005)
-    agent, = [p for p in _training_processes() if "torch.distributed.run" in p.cmdline()]
+    plan = plan_of(train_pipeline(root, {"preempt_ddp": stage}), kinds_module, root)
+    t, errors = stage_in_thread(plan, kinds_module, "preempt_ddp")
+    uri = wait_for_checkpoint(plan, "preempt_ddp", t, 180)
+    agent, = [p for p in training_processes() if "torch.distributed.run" in p.cmdline()]
     ranks = launch.training_processes(agent)
     assert len(ranks) == 2 and all(p.ppid() == agent.pid for p in ranks)
     assert sorted(launch.stop_training(agent)) == sorted(p.pid for p in ranks)

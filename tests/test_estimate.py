@@ -13,8 +13,8 @@ import pytest
 
 from lmforge.errors import ConfigError
 from trainer import gpus as G
-from trainer.estimate import CPU_BNB_RUNTIME_MIB, CPU_RUNTIME_MIB, CUDA_CONTEXT_MIB, MIB, Plan, estimate_memory, \
-    shape_from_config
+from trainer.estimate import CPU_BNB_RUNTIME_MIB, CPU_RUNTIME_MIB, CUDA_CONTEXT_MIB, MIB, Plan, estimate_memory
+from trainer.shapes import shape_from_config
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -25,14 +25,13 @@ from lmforge.stage import StageRuntime
 from lmforge.store import ArtifactStore
 from lmforge.tracking import Tracker
 from tasks import eval as ev_stage
-from tasks.eval import EvalConfig, Expectation, Gate, check_expectations, check_gates, comparison_rows
-from tests.conftest import REPO, basic_config, text_rows, write_jsonl
-from trainer import evaluate as ev
-
-# the test tasks: every row offers 5 and 7, so `seven` is right exactly on rows 1-3 and `five` on row 4
-ROWS = [("What is 3 plus 4?", "7", ["5", "7", "9"]), ("What is 2 plus 5?", "7", ["7", "5", "9"]),
-        ("What is 6 plus 1?", "7", ["9", "5", "7"]), ("What is 1 plus 4?", "5", ["5", "7", "9"]),
-        ("What is 4 plus 5?", "9", ["7", "9", "5"]), ("What is 1 plus 2?", "3", ["3", "5", "7"])]
+from tasks.evaluation.config import EvalConfig, Expectation, Gate
+from tasks.evaluation.engine import chat_loss
+from tasks.evaluation.gates import check_expectations, check_gates
+from tasks.evaluation.lmeval_tasks import prepare_task_dirs
+from tasks.evaluation.preference_accuracy import PairLogprobs, implicit_reward_accuracy, loglik_accuracy
+from tasks.evaluation.reports import comparison_rows
+from tests.helpers import REPO, basic_config, text_rows, write_jsonl, write_task_dir
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,7 +40,7 @@ ROWS = [("What is 3 plus 4?", "7", ["5", "7", "9"]), ("What is 2 plus 5?", "7", 
 
 @contextlib.contextmanager
 def one_torch_thread():
-    """On two shared cores torch's second thread mostly spins against other processes: one is ~10x faster."""
+    """On two shared cores torch's second thread mostly spins against other processes: one is far faster."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -130,27 +129,6 @@ def run_stages(tmp: Path, raw: dict, names: list[str], kinds, tracker=None, pare
     for n in names:
         execute_stage(ctx, n)
     return plan
-
-
-def write_task_dir(dir: Path, rows=ROWS, missing_column: str | None = None) -> Path:
-    """Three tasks over one jsonl, with data_files relative to the YAML's folder."""
-    data = [{"question": q, "answer": a, "choices": c, "label": c.index(a)} for q, a, c in rows]
-    if missing_column:
-        for r in data:
-            r.pop(missing_column)
-    write_jsonl(dir / "data" / "rows.jsonl", data)
-    common = ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data/rows.jsonl\ntest_split: test\n"
-              "doc_to_text: \"{{question}}\\nAnswer:\"\nmetadata:\n  version: 2.0\n")
-    (dir / "t_mc.yaml").write_text("task: t_mc\n" + common + "output_type: multiple_choice\n"
-                                   "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\n"
-                                   "metric_list:\n  - metric: acc\n")
-    (dir / "t_ll.yaml").write_text("task: t_ll\n" + common + "output_type: loglikelihood\n"
-                                   "doc_to_target: \" {{answer}}\"\nmetric_list:\n  - metric: acc\n")
-    (dir / "t_gen.yaml").write_text(
-        "task: t_gen\n" + common + "output_type: generate_until\ndoc_to_target: \"{{answer}}\"\n"
-        "generation_kwargs:\n  until: [\"\\n\"]\n  do_sample: false\n  max_gen_toks: 4\n"
-        "metric_list:\n  - metric: exact_match\n    regexes_to_ignore: [\"^\\\\s+\"]\n")
-    return dir
 
 
 def cfg_of(**kw) -> EvalConfig:
@@ -297,12 +275,22 @@ def test_tasks_with_known_answers_table_files_and_limit_note(tmp_path, models, m
 
 
 def test_implicit_reward_accuracy_counts_strict_wins():
-    policy = ev.PairLogprobs(chosen=[-1.0, -2.0, -3.0], rejected=[-5.0, -2.0, -1.0])
-    ref = ev.PairLogprobs(chosen=[-2.0, -2.0, -2.0], rejected=[-2.0, -2.0, -2.0])
-    out = ev.implicit_reward_accuracy(policy, ref, beta=0.5)
+    policy = PairLogprobs(chosen=[-1.0, -2.0, -3.0], rejected=[-5.0, -2.0, -1.0])
+    ref = PairLogprobs(chosen=[-2.0, -2.0, -2.0], rejected=[-2.0, -2.0, -2.0])
+    out = implicit_reward_accuracy(policy, ref, beta=0.5)
     # margins: 0.5*((1) - (-3)) = 2, 0.5*(0 - 0) = 0 (a tie is no win), 0.5*((-1) - (1)) = -1
     assert out["accuracy"] == pytest.approx(1 / 3) and out["reward_margin"] == pytest.approx(1 / 3)
     assert out["accuracy_stderr"] == pytest.approx(math.sqrt((2 * (1 / 3) ** 2 + (2 / 3) ** 2) / 2 / 3))
+
+
+def ingested_pairs(tmp_path: Path, kinds, pairs: list[dict]):
+    """`pairs` written to a preference dataset and ingested: the records artifact."""
+    write_jsonl(tmp_path / "data" / "prefs.jsonl", pairs)
+    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
+           "datasets": {"prefs": {"path": "data/prefs.jsonl", "kind": "preference"}},
+           "stages": {"ingest": {"kind": "ingest", "inputs": ["prefs"]}}}
+    plan = run_stages(tmp_path, raw, ["ingest"], kinds)
+    return plan.store.require("ingest", plan.stages["ingest"].artifact_id)
 
 
 def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds, models):
@@ -311,12 +299,7 @@ def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds
              {"prompt": "What is 2 plus 5?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
              {"prompt": "What is 6 plus 1?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
              {"prompt": "What is 1 plus 4?", "chosen": "Answer: 5", "rejected": "Answer: 7"}]
-    write_jsonl(tmp_path / "data" / "prefs.jsonl", pairs)
-    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
-           "datasets": {"prefs": {"path": "data/prefs.jsonl", "kind": "preference"}},
-           "stages": {"ingest": {"kind": "ingest", "inputs": ["prefs"]}}}
-    plan = run_stages(tmp_path, raw, ["ingest"], kinds)
-    records = plan.store.require("ingest", plan.stages["ingest"].artifact_id)
+    records = ingested_pairs(tmp_path, kinds, pairs)
     cfg = cfg_of(inputs=["ingest"], models=[{"name": "base", "base": str(models["base"])},
                                             {"name": "seven", "base": str(models["seven"])},
                                             {"name": "five", "base": str(models["five"])}],
@@ -341,20 +324,15 @@ def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds
 
 def test_loglik_accuracy_is_length_normalised():
     # chosen: -6 over 3 tokens (-2/token); rejected: -4 over 1 token (-4/token): chosen wins although its sum is lower
-    p = ev.PairLogprobs(chosen=[-6.0, -1.0], rejected=[-4.0, -0.5], chosen_tokens=[3, 1], rejected_tokens=[1, 1])
-    out = ev.loglik_accuracy(p)
+    p = PairLogprobs(chosen=[-6.0, -1.0], rejected=[-4.0, -0.5], chosen_tokens=[3, 1], rejected_tokens=[1, 1])
+    out = loglik_accuracy(p)
     assert out["loglik_accuracy"] == 0.5 and out["loglik_margin"] == pytest.approx(((-2 + 4) + (-1 + 0.5)) / 2)
 
 
 def test_preference_without_reference_scores_loglik_only(tmp_path, kinds, models):
     pairs = [{"prompt": "What is 3 plus 4?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
              {"prompt": "What is 1 plus 4?", "chosen": "Answer: 5", "rejected": "Answer: 7"}]
-    write_jsonl(tmp_path / "data" / "prefs.jsonl", pairs)
-    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
-           "datasets": {"prefs": {"path": "data/prefs.jsonl", "kind": "preference"}},
-           "stages": {"ingest": {"kind": "ingest", "inputs": ["prefs"]}}}
-    plan = run_stages(tmp_path, raw, ["ingest"], kinds)
-    records = plan.store.require("ingest", plan.stages["ingest"].artifact_id)
+    records = ingested_pairs(tmp_path, kinds, pairs)
     cfg = cfg_of(inputs=["ingest"], models=[{"name": "seven", "base": str(models["seven"])}],
                  preference={"input": "ingest"}, gates=[])
     out = tmp_path / "out"
@@ -399,8 +377,8 @@ def test_chat_loss_equals_sft_trainers_eval_loss_on_assistant_tokens(tmp_path, m
 
     folder = chat_model(models, "seven", tmp_path)
     lm = HFLM(pretrained=str(folder), batch_size=4, device="cpu")
-    batched = ev.chat_loss(lm, CONVERSATIONS, model="seven", batch_size=4)
-    singles = [ev.chat_loss(lm, [c], model="seven", batch_size=1) for c in CONVERSATIONS]
+    batched = chat_loss(lm, CONVERSATIONS, model="seven", batch_size=4)
+    singles = [chat_loss(lm, [c], model="seven", batch_size=1) for c in CONVERSATIONS]
     assert batched.conversations == 4 and batched.skipped == 0
     assert batched.tokens == sum(x.tokens for x in singles)
     assert batched.nll == pytest.approx(sum(x.nll * x.tokens for x in singles) / batched.tokens, rel=1e-5)
@@ -452,7 +430,7 @@ def test_chat_loss_needs_a_chat_template_and_chat_input(tmp_path, kinds, models)
 
     lm = HFLM(pretrained=str(models["seven"]), batch_size=1, device="cpu")  # no chat template
     with pytest.raises(DataError, match="chat_loss needs a chat template"):
-        ev.chat_loss(lm, CONVERSATIONS, model="seven", batch_size=1)
+        chat_loss(lm, CONVERSATIONS, model="seven", batch_size=1)
     raw = basic_config(tmp_path)
     raw["stages"]["eval"] = {"kind": "eval", "inputs": ["shard"], "models": [{"name": "base", "base": "/m"}],
                              "chat_loss": [{"input": "shard"}]}
@@ -713,7 +691,7 @@ def test_task_copies_get_absolute_data_paths_and_keep_functions(tmp_path):
     (src / "utils.py").write_text("def keep(ds):\n    return ds\n")
     (src / "t_fn.yaml").write_text("task: t_fn\ndataset_path: json\ndataset_kwargs:\n  data_files: [data/rows.jsonl]\n"
                                    "process_docs: !function utils.keep\n")
-    (copy,) = ev.prepare_task_dirs([src], tmp_path / "work")
+    (copy,) = prepare_task_dirs([src], tmp_path / "work")
     assert sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()) == [
         "t_fn.yaml", "t_gen.yaml", "t_ll.yaml", "t_mc.yaml", "utils.py"]  # data files stay where they are
     assert (copy / "t_fn.yaml").read_text() == (
@@ -723,7 +701,7 @@ def test_task_copies_get_absolute_data_paths_and_keep_functions(tmp_path):
     (src / "t_fn.yaml").write_text("task: t_fn\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                    "    test: data/missing.jsonl\n")
     with pytest.raises(DataError) as e:
-        ev.prepare_task_dirs([src], tmp_path / "work2")
+        prepare_task_dirs([src], tmp_path / "work2")
     assert str(e.value) == (f"{src / 't_fn.yaml'}: dataset_kwargs.data_files.test: 'data/missing.jsonl' does not "
                             f"exist (looked for {src / 'data' / 'missing.jsonl'}). Fix the path; paths in a task YAML "
                             "resolve against the YAML's folder")

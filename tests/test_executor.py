@@ -11,10 +11,11 @@ from lmforge.config import StageConfig, parse_config
 from lmforge.errors import FailedAfterPublish
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
+from lmforge.port import Port
 from lmforge.records import iter_records
-from lmforge.stage import Port, Result, StageDef
+from lmforge.stage import Result, StageDef
 from lmforge.tracking import Tracker
-from tests.conftest import basic_config
+from tests.helpers import basic_config
 
 
 class CountCheck(StageConfig):

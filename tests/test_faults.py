@@ -30,8 +30,7 @@ from mlflow.tracking import MlflowClient
 from lmforge import gc
 from lmforge.store import ArtifactStore
 from tests import short_demo
-from tests.conftest import REPO, write_jsonl
-from tests.test_trainer import chat_rows, pipeline, sft
+from tests.helpers import REPO, chat_rows, sft, train_pipeline, write_jsonl
 
 # where to kill, as seen in the store: (what, glob under the store root); each is reached in its own run
 POINTS = [
@@ -120,7 +119,7 @@ def test_a_killed_lease_holder_is_taken_over_by_the_waiting_run(tmp_path):
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(120))
     stages = {"sft": sft(method="full", max_steps=300, checkpoint_every_steps=5, evaluate=False)}
     cfg = tmp_path / "pipeline.yaml"
-    cfg.write_text(yaml.safe_dump(pipeline(tmp_path, stages), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(train_pipeline(tmp_path, stages), sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def cli(name: str) -> subprocess.Popen:

@@ -2,11 +2,8 @@
 bad input, an all-dropped corpus, worker-count independence and ingest -> filter -> shard."""
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,12 +12,13 @@ from lmforge.config import parse_config
 from lmforge.errors import ConfigError, DataError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
+from lmforge.port import Port
 from lmforge.records import require_records
-from lmforge.stage import Port
-from lmforge.store import Artifact, ArtifactStore
+from lmforge.store import ArtifactStore
 from tasks import filter as filt
 from tasks import filter_rules as fr
-from tests.conftest import write_jsonl
+from tasks.filter_rewrite import c4_lines
+from tests.helpers import run_filter, write_jsonl
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -52,52 +50,6 @@ def prose_lines(seed: int, n_lines: int = 8, stop: bool = True) -> list[str]:
 
 def prose(seed: int, n_lines: int = 8, stop: bool = True) -> str:
     return "\n".join(prose_lines(seed, n_lines, stop))
-
-
-def publish_records(tmp_path: Path, records: list[dict[str, Any]], kind: str = "text",
-                    part_records: int = 100_000) -> Artifact:
-    """A finished records artifact in a store under tmp_path (JSON written ASCII-escaped, so records
-    may hold lone surrogates as an upstream could)."""
-    store = ArtifactStore(str(tmp_path / "store"))
-    body = json.dumps(records, sort_keys=True).encode()
-    aid = hashlib.sha256(body).hexdigest()[:16]
-    if store.get("ingest", aid):
-        return store.require("ingest", aid)
-    staged = tmp_path / f"staged-{aid}"
-    (staged / "records").mkdir(parents=True)
-    for p in range(0, max(len(records), 1), part_records):
-        with open(staged / "records" / f"part-{p // part_records:05d}.jsonl", "w", encoding="ascii") as f:
-            for r in records[p:p + part_records]:
-                f.write(json.dumps(r) + "\n")
-    return store.publish(
-        "ingest", aid, staged, {"result": {"records": len(records), "data_kind": kind}, "inputs": []})
-
-
-def read_jsonl(paths: list[Path]) -> list[dict[str, Any]]:
-    out = []
-    for p in sorted(paths):
-        with open(p, encoding="utf-8") as f:
-            out += [json.loads(line) for line in f]
-    return out
-
-
-class Run:
-    def __init__(self, result: filt.FilterResult, out: Path):
-        self.result, self.out = result, out
-        self.kept = read_jsonl(list((out / "records").glob("*.jsonl")))
-        self.rejected = read_jsonl(list((out / "rejected").glob("*.jsonl")))
-
-    @property
-    def reasons(self) -> dict[str, str]:
-        return {r["id"]: r["rule"] for r in self.rejected}
-
-
-def run_filter(tmp_path: Path, records: list[dict[str, Any]], kind: str = "text", **cfg: Any) -> Run:
-    src = publish_records(tmp_path, records, kind)
-    out = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}"
-    out.mkdir()
-    config = filt.FilterConfig.model_validate({"kind": "filter", **cfg})
-    return Run(filt.run(config, [src], out), out)
 
 
 def texts(docs: dict[str, str]) -> list[dict[str, str]]:
@@ -214,7 +166,7 @@ def test_c4_line_removal_exact_text_and_counts(tmp_path):
            "Short line.\n"
            f"{'x' * 1001} is a very long word in a line.\n"
            "Another complete sentence stands alone on its own line here!")
-    out = fr.c4_lines(doc, fr.C4Rule())
+    out = c4_lines(doc, fr.C4Rule())
     assert out.reason is None and out.citations == 1
     assert out.text == ("This is the first real sentence of the page. It has a second sentence.\n"
                         "The third sentence sits right here in this line.\n"
@@ -223,12 +175,12 @@ def test_c4_line_removal_exact_text_and_counts(tmp_path):
     assert out.removed == {"c4_long_word": 1, "c4_terminal_punct": 1, "c4_min_words_per_line": 1,
                            "c4_javascript": 1, "c4_policy": 1}
     # an untouched document comes back as the very same string
-    assert fr.c4_lines(GOOD, fr.C4Rule()).text is GOOD
+    assert c4_lines(GOOD, fr.C4Rule()).text is GOOD
     # a javascript line is removed before its curly bracket could drop the page (TFDS order)
-    assert fr.c4_lines(GOOD + "\nRun this javascript code { x } on the page now.", fr.C4Rule()).reason is None
+    assert c4_lines(GOOD + "\nRun this javascript code { x } on the page now.", fr.C4Rule()).reason is None
     # no line left: c4_min_sentences, or c4_no_lines_left when that rule is off
-    assert fr.c4_lines("no end marks here at all", fr.C4Rule()).reason == "c4_min_sentences"
-    assert fr.c4_lines("no end marks here at all", fr.C4Rule(min_sentences=None)).reason == "c4_no_lines_left"
+    assert c4_lines("no end marks here at all", fr.C4Rule()).reason == "c4_min_sentences"
+    assert c4_lines("no end marks here at all", fr.C4Rule(min_sentences=None)).reason == "c4_no_lines_left"
     # through the stage: only kept documents count their removed lines
     kept_doc = GOOD + "\nPlease enable javascript to see this page.\nMenu"
     r = run_filter(tmp_path, texts({"k": kept_doc, "d": CRAFTED["c4_min_sentences"]}))

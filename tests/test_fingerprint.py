@@ -18,7 +18,7 @@ from lmforge.config import load_config, parse_config
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore, folder_fingerprint
-from tests.conftest import basic_config, write_config, write_jsonl
+from tests.helpers import basic_config, write_config, write_jsonl
 
 SOURCE = '''"""Module docstring."""
 import os
@@ -98,7 +98,7 @@ def test_stage_fingerprint_changes_with_its_code_not_with_its_comments(monkeypat
 def test_import_walk_covers_stage_recipe_and_project_imports_not_excluded_modules(kinds):
     sft = fingerprint.for_stage(kinds["sft"])
     # the stage module, the child's entry point and recipe (StageDef.code), what they import (also inside
-    # functions: tasks/sft.py imports trainer.launch in launch_training)
+    # functions: tasks/training.py, which tasks/sft.py imports, imports trainer.launch in launch_training)
     for path in ("tasks/sft.py", "trainer/entry.py", "trainer/sft.py", "trainer/launch.py", "trainer/checkpoint.py",
                  "lmforge/store.py", "lmforge/config.py"):
         assert path in sft.modules, path
@@ -108,7 +108,7 @@ def test_import_walk_covers_stage_recipe_and_project_imports_not_excluded_module
                     "lmforge/errors.py", "trainer/errors.py", "tasks/__init__.py"} & set(mods), kind
         assert all(not p.startswith("/") and p.endswith(".py") for p in mods)
     assert "trainer/grpo.py" in fingerprint.for_stage(kinds["grpo"]).modules
-    assert "trainer/evaluate.py" in fingerprint.for_stage(kinds["eval"]).modules
+    assert "tasks/evaluation/engine.py" in fingerprint.for_stage(kinds["eval"]).modules
     assert "trainer/sft.py" not in fingerprint.for_stage(kinds["shard"]).modules
     # exact library versions, from the same walk: trl implies transformers implies tokenizers
     v = metadata.version
@@ -133,7 +133,7 @@ def test_imports_relative_in_functions_submodules_and_not_type_checking():
 
 
 def test_the_same_in_another_checkout(tmp_path, monkeypatch, kinds):
-    # (its speed, ~0.4 s of CPU for every kind, is a benchmark's business, not a timed assertion: on a loaded
+    # (its speed is a benchmark's business, not a timed assertion: on a loaded
     # 2-core CI machine even process time doubles)
     before = {k: fingerprint.for_stage(s) for k, s in kinds.items()}
     for pkg in fingerprint.PACKAGES:

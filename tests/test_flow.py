@@ -11,7 +11,7 @@ from flows.pipeline import pipeline
 from lmforge.config import load_config
 from lmforge.errors import StageFailed
 from lmforge.plan import make_plan
-from tests.conftest import basic_config, write_config
+from tests.helpers import basic_config, write_config
 
 STAGES = ["ingest", "shard", "ingest_pairs", "shard_pairs"]
 
@@ -168,7 +168,7 @@ def test_prefect_flow_run_retry_redoes_only_the_failed_stages(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     cfg = write_config(tmp_path, basic_config(tmp_path))
     pairs = tmp_path / "data/pairs.jsonl"

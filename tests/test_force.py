@@ -14,8 +14,7 @@ import yaml
 
 from flows.cli import main
 from lmforge.store import ArtifactStore, sha256_file
-from tests.conftest import write_jsonl
-from tests.test_trainer import chat_rows, pipeline, sft
+from tests.helpers import chat_rows, sft, train_pipeline, write_jsonl
 
 
 def test_force_trains_from_step_zero_and_keeps_the_replaced_artifact_whole(tmp_path, capsys):
@@ -23,7 +22,7 @@ def test_force_trains_from_step_zero_and_keeps_the_replaced_artifact_whole(tmp_p
     stages = {"sft": sft(method="full", max_steps=30, checkpoint_every_steps=10, keep_checkpoints=3, evaluate=False),
               "again": sft(inputs=["shard", "sft"], base_model=None, method="lora", max_steps=4, evaluate=False)}
     cfg = tmp_path / "pipeline.yaml"
-    cfg.write_text(yaml.safe_dump(pipeline(tmp_path, stages), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(train_pipeline(tmp_path, stages), sort_keys=False))
     assert main(["run", str(cfg)]) == 0
     store = ArtifactStore(str(tmp_path / "artifacts"))
     old = store.list("sft")

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmforge import gc
+from lmforge import gc, owner
 from lmforge.store import ArtifactStore
-from tests.conftest import REPO, write_jsonl
-from tests.test_trainer import chat_rows, pipeline, sft
+from tests.helpers import REPO, chat_rows, sft, train_pipeline, write_jsonl
 
 
 def _lmforge(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -37,7 +36,7 @@ def _fake_staging(base: Path, name: str, pid: int, size: int) -> Path:
     folder = base / name
     (folder / "out").mkdir(parents=True)
     (folder / "out" / "part.bin").write_bytes(b"x" * size)
-    (folder / gc.OWNER).write_text(json.dumps({"host": os.uname().nodename, "pid": pid, "pid_started": None,
+    (folder / owner.OWNER).write_text(json.dumps({"host": os.uname().nodename, "pid": pid, "pid_started": None,
                                                 "kind": "sft", "artifact_id": "x", "created": 0}))
     return folder
 
@@ -50,7 +49,7 @@ def test_gc_removes_checkpoints_leftovers_and_unreferenced_artifacts_and_reports
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
     stages = {"sft": sft(method="full", max_steps=12, checkpoint_every_steps=3, keep_checkpoints=3, evaluate=False)}
     cfg = tmp_path / "pipeline.yaml"
-    cfg.write_text(yaml.safe_dump(pipeline(tmp_path, stages), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(train_pipeline(tmp_path, stages), sort_keys=False))
     run = _lmforge("run", str(cfg), "--json", str(tmp_path / "s1.json"), cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     store = ArtifactStore(str(tmp_path / "artifacts"))
@@ -68,7 +67,7 @@ def test_gc_removes_checkpoints_leftovers_and_unreferenced_artifacts_and_reports
     found = {(r["what"], Path(r["path"]).name): r for r in report["removals"]}
     assert set(found) == {("leftover", "sft-x-dead0001"), ("checkpoints", "_checkpoints")}
     assert "process" in found[("leftover", "sft-x-dead0001")]["why"]
-    assert found[("leftover", "sft-x-dead0001")]["bytes"] == 1000 + len((dead / gc.OWNER).read_bytes())
+    assert found[("leftover", "sft-x-dead0001")]["bytes"] == 1000 + len((dead / owner.OWNER).read_bytes())
     ckpt_bytes = _du(ckpts)
     assert found[("checkpoints", "_checkpoints")]["bytes"] == ckpt_bytes > 0
     assert report["bytes"] == ckpt_bytes + found[("leftover", "sft-x-dead0001")]["bytes"]

@@ -1,8 +1,8 @@
 """grpo stage: GRPO and RLOO (TRL GRPOTrainer / RLOOTrainer) on top of a tiny SFT model.
 
-The same tiny Llama, tokenizer and preference pairs as tests/test_align.py, with a chat set in two styles:
-"What is A plus B?" -> "A plus B equals C." and "What is A plus B?\\nAnswer:" -> "C". After a short SFT the
-model answers the second style with a bare number, which `trainer.rewards:one_sentence` scores 0: a reward
+The same tiny Llama, tokenizer and preference pairs as tests/test_align.py (tests/helpers.py), with a chat set in
+two styles: "What is A plus B?" -> "A plus B equals C." and "What is A plus B?\\nAnswer:" -> "C". After a short SFT
+the model answers the second style with a bare number, which `trainer.rewards:one_sentence` scores 0: a reward
 that a few GRPO steps can raise on held-out prompts (greedy completions before and after), while the
 model is far too small to learn the sums themselves. The data stages and the SFT run once per module.
 """
@@ -17,11 +17,8 @@ import pytest
 
 from lmforge.config import parse_config
 from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
-from tests.test_align import GOOD, IDENTICAL, LONG, preference_rows
-from tests.test_align import pipeline as align_pipeline
-from tests.test_align import run_stages as align_run_stages
-from tests.test_trainer import SFT_FAST, TINY_LLAMA, artifact
+from tests.helpers import (GOOD, IDENTICAL, LONG, SFT_FAST, TINY_LLAMA, align_pipeline, align_store, artifact,
+                           metric_steps, plan_of, preference_rows, run_align, signal_after_first_checkpoint)
 
 MAX_LENGTH = 64
 SFT = {"kind": "sft", "inputs": ["shard", "tokenizer"], "base_model": {"config": TINY_LLAMA}, "method": "full",
@@ -48,7 +45,7 @@ def pipeline(root: Path, stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_stages(root: Path, kinds, stages: dict[str, dict[str, Any]], names: list[str], tracker=None):
-    return align_run_stages(root, kinds, {"sft": SFT, **stages}, names, tracker=tracker)
+    return run_align(root, kinds, {"sft": SFT, **stages}, names, tracker=tracker)
 
 
 def grpo(**over) -> dict[str, Any]:
@@ -58,15 +55,7 @@ def grpo(**over) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
-    root = tmp_path_factory.mktemp("grpo")
-    write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
-    write_jsonl(root / "data" / "pairs.jsonl", preference_rows())
-    run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft"])
-    return root
-
-
-def _metric_steps(client, run_id: str, key: str) -> list[tuple[int, float]]:
-    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+    return align_store(tmp_path_factory.mktemp("grpo"), kinds_module, chat_rows(200), preference_rows(), {"sft": SFT})
 
 
 def _prompt(tok, text: str):
@@ -141,11 +130,11 @@ def test_grpo_lora_with_reward_functions_raises_the_heldout_reward(root, kinds_m
     run_id, client = out["g"]["mlflow_run_id"], tracker.client
     for key in ("train/loss", "train/reward", "train/reward_std", "train/kl", "train/completion_length",
                 "train/reward/sum_correct", "train/reward/one_sentence"):
-        assert [s for s, _ in _metric_steps(client, run_id, key)] == list(range(1, 31)), key
-    assert _metric_steps(client, run_id, "train/kl")[0][1] == pytest.approx(0.0, abs=1e-6)  # step 1: policy = ref
-    assert _metric_steps(client, run_id, "eval/reward") == [(30, pytest.approx(r["eval_reward_trained"]))]
-    assert _metric_steps(client, run_id, "eval/reward_start") == [(30, pytest.approx(r["eval_reward_start"]))]
-    assert _metric_steps(client, run_id, "eval/reward/one_sentence") == [
+        assert [s for s, _ in metric_steps(client, run_id, key)] == list(range(1, 31)), key
+    assert metric_steps(client, run_id, "train/kl")[0][1] == pytest.approx(0.0, abs=1e-6)  # step 1: policy = ref
+    assert metric_steps(client, run_id, "eval/reward") == [(30, pytest.approx(r["eval_reward_trained"]))]
+    assert metric_steps(client, run_id, "eval/reward_start") == [(30, pytest.approx(r["eval_reward_start"]))]
+    assert metric_steps(client, run_id, "eval/reward/one_sentence") == [
         (30, pytest.approx(r["eval_reward_by_source_trained"]["one_sentence"]))]
 
 
@@ -185,11 +174,11 @@ def test_rloo_full_with_a_reward_model_and_a_function(root, kinds_module):
     assert set(trained) == set(sft_w)
     assert [k for k in trained if torch.equal(trained[k], sft_w[k])] == []
     run_id, client = out["g_rloo"]["mlflow_run_id"], tracker.client
-    kl = _metric_steps(client, run_id, "train/kl")
+    kl = metric_steps(client, run_id, "train/kl")
     assert len(kl) == 6 and kl[0][1] == pytest.approx(0.0, abs=1e-5) and kl[-1][1] != 0
     for key in ("train/reward", "train/reward_std", "train/completion_length", "train/reward/reward_model",
                 "train/reward/answer_match"):
-        assert len(_metric_steps(client, run_id, key)) == 6, key
+        assert len(metric_steps(client, run_id, key)) == 6, key
     info = json.loads(Path(art.path, "lmforge_model.json").read_text())
     assert (info["trained_with"], info["format"]) == ("rloo", "full")
     model, tok = models.load_trained(Path(art.path))
@@ -266,12 +255,12 @@ def test_reward_functions_enter_the_artifact_id(root, kinds_module):
 
 
 def test_grpo_sigkill_then_rerun_resumes_from_the_last_checkpoint(root, kinds_module):
-    from tests.test_align import _kill_after_first_checkpoint
     from trainer.errors import TrainingError
 
     stage = grpo(method="lora", max_steps=24, checkpoint_every_steps=2, keep_checkpoints=2, evaluate=False,
                  lora={"rank": 4, "target_modules": ["q_proj", "v_proj"]})
-    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"sft": SFT, "resume": stage}, "resume")
+    killed_at, errors = signal_after_first_checkpoint(plan_of(pipeline(root, {"resume": stage}), kinds_module, root),
+                                                      kinds_module, "resume")
     assert killed_at % 2 == 0 and 2 <= killed_at < 24
     assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
     plan, out = run_stages(root, kinds_module, {"resume": stage}, ["resume"])

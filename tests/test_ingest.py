@@ -8,22 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lmforge.config import parse_config
 from lmforge.errors import DataError
-from lmforge.executor import RunContext, execute_stage
-from lmforge.plan import make_plan
 from lmforge.records import iter_records
-from tests.conftest import write_jsonl
-
-
-def ingest(tmp_path, kinds, path, kind="text", stage=None, **dataset):
-    raw = {"name": "t", "store": str(tmp_path / "artifacts"),
-           "datasets": {"src": {"path": path, "kind": kind, **dataset}},
-           "stages": {"ingest": {"kind": "ingest", "inputs": ["src"], **(stage or {})}}}
-    plan = make_plan(parse_config(raw, kinds, root=tmp_path), kinds)
-    execute_stage(RunContext(plan=plan, kinds=kinds), "ingest")
-    art = plan.store.require("ingest", plan.stages["ingest"].artifact_id)
-    return art.result, [{k: v for k, v in r.items() if k != "id"} for r in iter_records(art)], art
+from tests.helpers import ingest, write_jsonl
 
 
 def test_jsonl_text_with_ids_and_counts(tmp_path, kinds):

@@ -14,8 +14,7 @@ from lmforge.config import parse_config
 from lmforge.errors import DataError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
-from tests.test_ingest import ingest
+from tests.helpers import ingest, write_jsonl
 
 
 def u(content):

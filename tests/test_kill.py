@@ -10,7 +10,7 @@ import time
 
 from flows.pipeline import pipeline
 from lmforge.store import ArtifactStore
-from tests.conftest import REPO, basic_config, write_config
+from tests.helpers import REPO, basic_config, write_config
 
 
 def test_kill_9_midway_leaves_no_manifest_and_rerun_completes(tmp_path):

@@ -18,8 +18,7 @@ import yaml
 
 from lmforge.lease import Lease, LeaseLost
 from lmforge.store import ArtifactStore
-from tests.conftest import REPO, write_jsonl
-from tests.test_trainer import chat_rows, pipeline, sft
+from tests.helpers import REPO, chat_rows, sft, train_pipeline, write_jsonl
 
 
 def _exclusive_then_handover(store: ArtifactStore) -> None:
@@ -81,7 +80,7 @@ def test_two_concurrent_runs_execute_each_stage_exactly_once(tmp_path):
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(120))
     stages = {"sft": sft(method="full", max_steps=60, checkpoint_every_steps=20, evaluate=False)}
     cfg = tmp_path / "pipeline.yaml"
-    cfg.write_text(yaml.safe_dump(pipeline(tmp_path, stages), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(train_pipeline(tmp_path, stages), sort_keys=False))
     procs = []
     for i in range(2):
         env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / f"prefect{i}"),

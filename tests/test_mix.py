@@ -16,7 +16,7 @@ from lmforge.records import RecordWriter, iter_records
 from lmforge.shards import iter_samples
 from lmforge.store import ArtifactStore
 from tasks.mix import MixConfig, MixResult, plan_counts, run
-from tests.conftest import text_rows, write_jsonl
+from tests.helpers import text_rows, write_jsonl
 
 SIZES = {"a": 10, "b": 30, "c": 60}
 
@@ -64,6 +64,12 @@ def figures(result: dict) -> dict:
     return {s: {k: v for k, v in r.items() if k != "input"} for s, r in result["sources"].items()}
 
 
+def source_figures(records_in: int, records_out: int, times_repeated: int, proportion: float) -> dict:
+    """One source's figures in a mix result where the realised proportion is exactly the one requested."""
+    return {"records_in": records_in, "records_out": records_out, "times_repeated": times_repeated,
+            "requested_proportion": proportion, "realised_proportion": proportion}
+
+
 def output_bytes(art) -> dict[str, bytes]:
     return {p: (Path(art.path) / p).read_bytes() for p in sorted(art.files)}
 
@@ -77,12 +83,9 @@ def test_weights_up_and_downsample_to_exact_counts(tmp_path, kinds):
     res = art.result
     assert res["records"] == 100 and res["mode"] == "weights" and res["limiting_source"] is None
     assert figures(res) == {  # a: 10 records -> 25 (every record twice, 5 of them three times); b, c: subsets
-        "ia": {"records_in": 10, "records_out": 25, "times_repeated": 3, "requested_proportion": 0.25,
-               "realised_proportion": 0.25},
-        "ib": {"records_in": 30, "records_out": 25, "times_repeated": 1, "requested_proportion": 0.25,
-               "realised_proportion": 0.25},
-        "ic": {"records_in": 60, "records_out": 50, "times_repeated": 1, "requested_proportion": 0.5,
-               "realised_proportion": 0.5}}
+        "ia": source_figures(10, 25, 3, 0.25),
+        "ib": source_figures(30, 25, 1, 0.25),
+        "ic": source_figures(60, 50, 1, 0.5)}
     assert res["sources"]["ia"]["input"] == f"ingest/{plan.stages['ia'].artifact_id}"
     assert Counter(source_of(r) for r in recs) == {"ia": 25, "ib": 25, "ic": 50}
     assert copies_per_record(recs, "ia") == {2: 5, 3: 5}
@@ -127,12 +130,9 @@ def test_epochs(tmp_path, kinds):
     _, art, recs = mixed(tmp_path, {"epochs": {"ia": 2.0, "ib": 0.5, "ic": 1.5}, "seed": 3}, kinds)
     assert art.result["records"] == 20 + 15 + 90 and art.result["mode"] == "epochs"
     assert figures(art.result) == {
-        "ia": {"records_in": 10, "records_out": 20, "times_repeated": 2, "requested_proportion": 0.16,
-               "realised_proportion": 0.16},
-        "ib": {"records_in": 30, "records_out": 15, "times_repeated": 1, "requested_proportion": 0.12,
-               "realised_proportion": 0.12},
-        "ic": {"records_in": 60, "records_out": 90, "times_repeated": 2, "requested_proportion": 0.72,
-               "realised_proportion": 0.72}}
+        "ia": source_figures(10, 20, 2, 0.16),
+        "ib": source_figures(30, 15, 1, 0.12),
+        "ic": source_figures(60, 90, 2, 0.72)}
     assert copies_per_record(recs, "ia") == {2: 10}  # every record exactly twice
     assert copies_per_record(recs, "ib") == {1: 15}  # a seeded half
     assert copies_per_record(recs, "ic") == {1: 30, 2: 30}  # once, and a seeded half again

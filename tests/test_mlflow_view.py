@@ -15,10 +15,7 @@ from flows.cli import main
 from flows.pipeline import pipeline
 from lmforge.errors import StageFailed
 from lmforge.runview import changed_settings, run_name
-from tests.conftest import write_config, write_jsonl
-from tests.test_eval import write_task_dir
-from tests.test_trainer import chat_rows, sft
-from tests.test_trainer import pipeline as train_pipeline
+from tests.helpers import chat_rows, sft, train_pipeline, write_config, write_jsonl, write_task_dir
 
 PASSING = [{"metric": "sft/t_mc/acc", "against": "sft", "max_regression": 0.0}]
 IMPOSSIBLE = "stages.eval.gates=[{metric: sft/t_mc/acc_norm, against: sft, max_regression: 0}]"  # sft has no acc_norm

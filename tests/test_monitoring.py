@@ -1,7 +1,7 @@
 """Prometheus metrics: scraped over HTTP from a real training stage while it trains, collected by a real Prometheus
 server, and the alert rules checked with promtool; data stages' states, durations, results, failures and retries.
 
-One tiny Llama sft stage (tests/test_trainer.py's helpers) trains once per module, with the stage process's and
+One tiny Llama sft stage (tests/helpers.py) trains once per module, with the stage process's and
 the training process's endpoints on free ports and a Prometheus server (deploy/prometheus/get-prometheus.sh: Debian's
 package, unpacked into .venv/prometheus) scraping both every second.
 """
@@ -26,10 +26,9 @@ from lmforge import monitoring
 from lmforge.config import parse_config
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
-from tests.conftest import REPO, basic_config, write_jsonl
-from tests.test_trainer import artifact, pipeline, root, sft  # noqa: F401  (root: the module's shared data stages)
+from tests.helpers import REPO, artifact, basic_config, sft, train_pipeline, write_jsonl
 
-STEPS = 300  # ~10 ms each here: a few seconds of training, so that a 1 s scrape interval sees it
+STEPS = 300  # tiny steps: seconds of training, so that a 1 s scrape interval sees it
 
 
 def free_port() -> int:
@@ -130,7 +129,7 @@ class Prometheus(Daemon):
 
 
 @pytest.fixture(scope="module")
-def trained(root, kinds_module, tmp_path_factory):  # noqa: F811
+def trained(root, kinds_module, tmp_path_factory):
     stage_port, training_port = free_port(), free_port()
     work = tmp_path_factory.mktemp("prometheus")
     prom: Prometheus | None = None
@@ -143,7 +142,7 @@ def trained(root, kinds_module, tmp_path_factory):  # noqa: F811
     else:
         prom = Prometheus(bin_dir, work, {"lmforge-stages": stage_port, "lmforge-training": training_port})
         gateway = Daemon(bin_dir, work, "prometheus-pushgateway", [f"--persistence.file={work / 'pushgateway.data'}"])
-    raw = pipeline(root, {"sft_prom": sft(method="full", max_steps=STEPS, checkpoint_every_steps=100)})
+    raw = train_pipeline(root, {"sft_prom": sft(method="full", max_steps=STEPS, checkpoint_every_steps=100)})
     raw["name"] = "mon"
     raw["monitoring"] = {"port": stage_port, "training_port": training_port, "push_interval_seconds": 1,
                          "pushgateway": f"http://127.0.0.1:{gateway.port}" if gateway else None}

@@ -1,11 +1,11 @@
 """ppo stage: TRL's PPOTrainer (trl.experimental.ppo, TRL 1.12) on a tiny SFT policy against a tiny reward model.
 
-The same tiny Llama and on-the-fly tokenizer as tests/test_trainer.py, and the pipeline of tests/test_align.py,
-with data built so that PPO has something to learn in a few updates: the SFT conversations answer in two
-styles, "Sure! 3 plus 4 equals 7." (2 in 5) and "No. I think it is 9." (3 in 5), so the SFT policy samples
-both and answers greedily in the second; the reward model learns from pairs that prefer the first. 5 more
-preference prompts are far longer than max_length_tokens - max_new_tokens: skipped and counted. The data
-stages, the SFT stage and the reward stage run once per module into a shared store.
+The same tiny Llama and on-the-fly tokenizer as tests/test_trainer.py, and the pipeline of tests/test_align.py
+(tests/helpers.py), with data built so that PPO has something to learn in a few updates: the SFT conversations
+answer in two styles, "Sure! 3 plus 4 equals 7." (2 in 5) and "No. I think it is 9." (3 in 5), so the SFT policy
+samples both and answers greedily in the second; the reward model learns from pairs that prefer the first. 5 more
+preference prompts are far longer than max_length_tokens - max_new_tokens: skipped and counted. The data stages, the
+SFT stage and the reward stage run once per module into a shared store.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pytest
 
 from lmforge.config import parse_config
 from lmforge.executor import RunContext, execute_stage
-from tests.conftest import write_jsonl
-from tests.test_align import FAST, _metric_steps, pipeline, run_stages
-from tests.test_trainer import TINY_LLAMA, artifact
+from tests.helpers import (ALIGN_FAST, TINY_LLAMA, align_pipeline, align_store, artifact,
+                           assert_tuned_model_reloads_and_generates, metric_steps, plan_of, run_align,
+                           signal_after_first_checkpoint)
 
 GOOD, LONG = 120, 5
 
@@ -51,11 +51,11 @@ def ppo_preference_rows() -> list[dict[str, str]]:
 BASE_STAGES = {
     "sft": {"kind": "sft", "inputs": ["shard", "tokenizer"], "base_model": {"config": TINY_LLAMA}, "method": "full",
             "max_steps": 40, "evaluate": False, "learning_rate": 3e-3, "warmup_steps": 2, "control_prompts": [],
-            **FAST},
+            **ALIGN_FAST},
     "rm": {"kind": "reward", "inputs": ["shard_pairs", "sft"], "method": "full", "max_steps": 12,
-           "learning_rate": 1e-3, "evaluate": False, "control_prompts": [], **FAST},
+           "learning_rate": 1e-3, "evaluate": False, "control_prompts": [], **ALIGN_FAST},
 }
-QUICK = {**FAST, "max_new_tokens": 12, "ppo_epochs": 2, "control_prompts": []}
+QUICK = {**ALIGN_FAST, "max_new_tokens": 12, "ppo_epochs": 2, "control_prompts": []}
 
 
 def ppo(**over) -> dict[str, Any]:
@@ -63,16 +63,13 @@ def ppo(**over) -> dict[str, Any]:
 
 
 def run(root: Path, kinds, stages: dict[str, dict[str, Any]], names: list[str], tracker=None):
-    return run_stages(root, kinds, {**BASE_STAGES, **stages}, names, tracker=tracker)
+    return run_align(root, kinds, {**BASE_STAGES, **stages}, names, tracker=tracker)
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
-    root = tmp_path_factory.mktemp("ppo")
-    write_jsonl(root / "data" / "chat.jsonl", ppo_chat_rows(200))
-    write_jsonl(root / "data" / "pairs.jsonl", ppo_preference_rows())
-    run(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs", "sft", "rm"])
-    return root
+    return align_store(tmp_path_factory.mktemp("ppo"), kinds_module, ppo_chat_rows(200), ppo_preference_rows(),
+                       BASE_STAGES, ("rm",))
 
 
 def _weights(art) -> dict[str, Any]:
@@ -96,8 +93,7 @@ def test_ppo_lora_raises_the_heldout_reward_reloads_and_resumes_exactly(root, ki
     import torch
 
     from lmforge.tracking import Tracker
-    from trainer import models
-    from trainer.reward import load_reward_model
+    from trainer.preference import load_reward_model
 
     tracker = Tracker(f"sqlite:///{root / 'mlflow-ppo.db'}", "ppo")
     stage = ppo(method="lora", max_steps=8, learning_rate=1e-2, checkpoint_every_steps=4, keep_checkpoints=1,
@@ -140,23 +136,16 @@ def test_ppo_lora_raises_the_heldout_reward_reloads_and_resumes_exactly(root, ki
     adapter = _weights(art)
     assert adapter and all(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
     # reloads (adapter merged onto the SFT model), differs from the SFT model and generates
-    model, tok = models.load_trained(Path(art.path))
-    sft_model, _ = models.load_trained(Path(sft_art.path))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 5?"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        assert not torch.allclose(model(**prompt).logits, sft_model(**prompt).logits)
-    gen = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    assert gen.shape[1] > prompt["input_ids"].shape[1]
+    tok = assert_tuned_model_reloads_and_generates(art, sft_art)
     assert tok.padding_side == "right"  # PPO pads prompts on the left while training; the artifact keeps the default
     # metrics on the stage's MLflow run: every update, and the held-out figures at the end
     run_id, client = out["ppo"]["mlflow_run_id"], tracker.client
     for key in ("train/reward", "train/kl", "train/policy_loss", "train/value_loss", "train/entropy",
                 "train/learning_rate"):
-        assert [s for s, _ in _metric_steps(client, run_id, key)] == list(range(1, 9)), key
-    assert _metric_steps(client, run_id, "train/reward")[-1][1] == pytest.approx(r["train_reward_last"])
-    assert _metric_steps(client, run_id, "eval/reward") == [(8, pytest.approx(r["eval_reward_trained"]))]
-    assert _metric_steps(client, run_id, "eval/reward_start") == [(8, pytest.approx(r["eval_reward_start"]))]
+        assert [s for s, _ in metric_steps(client, run_id, key)] == list(range(1, 9)), key
+    assert metric_steps(client, run_id, "train/reward")[-1][1] == pytest.approx(r["train_reward_last"])
+    assert metric_steps(client, run_id, "eval/reward") == [(8, pytest.approx(r["eval_reward_trained"]))]
+    assert metric_steps(client, run_id, "eval/reward_start") == [(8, pytest.approx(r["eval_reward_start"]))]
     assert client.get_run(run_id).data.metrics["dropped_prompt_too_long"] == LONG
 
     # the checkpoint holds what a resume needs; unpublish the artifact and rerun: it resumes from update 4 and ends
@@ -208,7 +197,7 @@ def test_ppo_config_errors(root, kinds_module):
 
     def problems(stages: dict[str, dict[str, Any]]) -> list[str]:
         with pytest.raises(ConfigError) as e:
-            parse_config(pipeline(root, {**BASE_STAGES, **stages}), kinds_module, root=root)
+            parse_config(align_pipeline(root, {**BASE_STAGES, **stages}), kinds_module, root=root)
         return sorted(e.value.problems)
 
     assert problems({
@@ -258,8 +247,9 @@ def test_the_reward_model_reads_a_rollout_as_it_read_its_training_pairs(root, ki
     import torch
     from trl.data_utils import _tokenize
 
-    from trainer.ppo import append_turn_end, prompt_ids, turn_end_suffix
-    from trainer.reward import load_reward_model
+    from trainer.ppo import append_turn_end, turn_end_suffix
+    from trainer.preference import load_reward_model
+    from trainer.prompts import prompt_ids
 
     plan, _ = run(root, kinds_module, {}, ["rm"])
     _, tok = load_reward_model(Path(artifact(plan, "rm").path))
@@ -288,7 +278,7 @@ def test_ppo_refuses_a_reward_model_with_another_tokenizer(root, kinds_module, t
     from tasks import tokenizer as tokenizer_stage
     from trainer.errors import SettingError
     from trainer.ppo import check_reward_model
-    from trainer.reward import load_reward_model
+    from trainer.preference import load_reward_model
     from trainer.settings import PpoSettings
 
     plan, _ = run(root, kinds_module, {}, ["rm"])
@@ -344,38 +334,6 @@ def test_ppo_lora_on_two_ddp_processes_resumes_exactly(root, kinds_module):
     assert again.result["train_reward_last"] == r["train_reward_last"]
 
 
-def _signal_after_first_checkpoint(root, kinds, stage: dict[str, Any], sig: int) -> tuple[int, list[BaseException]]:
-    """Run stage `stop` in a thread; signal its training process once a checkpoint is uploaded. Returns the newest
-    complete checkpoint's step afterwards, and what the stage raised."""
-    import threading
-    import time
-
-    from lmforge.plan import make_plan
-    from tests.test_trainer import _training_child
-    from trainer import checkpoint
-
-    plan = make_plan(parse_config(pipeline(root, {**BASE_STAGES, "stop": stage}), kinds, root=root), kinds)
-    uri = plan.store.checkpoint_uri("ppo", plan.stages["stop"].artifact_id)
-    errors: list[BaseException] = []
-
-    def attempt():
-        try:
-            execute_stage(RunContext(plan=plan, kinds=kinds), "stop")
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    t = threading.Thread(target=attempt)
-    t.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and checkpoint.latest_complete(uri) is None and t.is_alive():
-        time.sleep(0.005)
-    child = _training_child()
-    assert child is not None and checkpoint.latest_complete(uri) is not None, "no checkpoint before the run ended"
-    child.send_signal(sig)
-    t.join(60)
-    return checkpoint.latest_complete(uri)[0], errors
-
-
 # SIGKILL after a ppo checkpoint is also in the default run at the pipeline level: tests/test_faults.py kills
 # `lmforge run` there and the rerun's ppo weights equal an uninterrupted run's
 @pytest.mark.parametrize("sig", [pytest.param("SIGKILL", marks=pytest.mark.slow), "SIGTERM"])
@@ -389,7 +347,8 @@ def test_ppo_stopped_then_rerun_resumes_from_the_last_checkpoint(root, kinds_mod
     stage = ppo(method="lora", max_steps=16, checkpoint_every_steps=2, keep_checkpoints=2, evaluate=False,
                 learning_rate=1e-2, lora={"rank": 4, "target_modules": ["q_proj", "v_proj"]},
                 seed={"SIGKILL": 1, "SIGTERM": 2}[sig])  # two artifacts
-    stopped, errors = _signal_after_first_checkpoint(root, kinds_module, stage, getattr(signal, sig))
+    plan = plan_of(align_pipeline(root, {**BASE_STAGES, "stop": stage}), kinds_module, root)
+    stopped, errors = signal_after_first_checkpoint(plan, kinds_module, "stop", getattr(signal, sig))
     assert 2 <= stopped < 16
     assert len(errors) == 1 and isinstance(errors[0], TrainingError if sig == "SIGKILL" else Preempted), errors
     if sig == "SIGKILL":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tests.test_filter import run_filter
+from tests.helpers import run_filter
 
 SYS = {"role": "system", "content": "be brief"}
 MULTI = {"id": "m", "prompt": "be brief\nq1\nr1\nq2", "chosen": "yes", "rejected": "no",
@@ -15,29 +15,28 @@ FLAT = {"id": "f", "prompt": "p", "chosen": "c", "rejected": "r"}
 
 
 def test_preference_dataset_keeps_turns_when_conversational(monkeypatch):
-    from trainer import data, reward
+    from trainer import data, preference
 
     monkeypatch.setattr(data, "iter_records", lambda shards: iter([MULTI, FLAT]))
-    pairs = reward.preference_dataset(["s"], "test", conversational=True)
+    pairs = preference.preference_dataset(["s"], "test", conversational=True)
     assert pairs.dataset.to_list() == [
         {"prompt": MULTI["prompt_messages"], "chosen": [{"role": "assistant", "content": "yes"}],
          "rejected": [{"role": "assistant", "content": "no"}]},
         {"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "assistant", "content": "c"}],
          "rejected": [{"role": "assistant", "content": "r"}]},
     ]
-    pairs = reward.preference_dataset(["s"], "test", conversational=False)
+    pairs = preference.preference_dataset(["s"], "test", conversational=False)
     assert pairs.dataset.to_list() == [{"prompt": "be brief\nq1\nr1\nq2", "chosen": "yes", "rejected": "no"},
                                        {"prompt": "p", "chosen": "c", "rejected": "r"}]
 
 
 def test_grpo_and_ppo_prompts_keep_turns():
-    from trainer import grpo, ppo
+    from trainer.prompts import record_prompt  # shared by the grpo and ppo recipes
 
-    assert grpo.record_prompt(MULTI, True, "t") == {"prompt": MULTI["prompt_messages"], "answer": "yes"}
-    assert grpo.record_prompt(MULTI, False, "t") == {"prompt": "be brief\nq1\nr1\nq2", "answer": "yes"}
-    assert grpo.record_prompt(FLAT, True, "t") == {"prompt": [{"role": "user", "content": "p"}], "answer": "c"}
-    assert ppo.record_prompt(MULTI, True, "t") == MULTI["prompt_messages"]
-    assert ppo.record_prompt(FLAT, False, "t") == "p"
+    assert record_prompt(MULTI, True, "t") == {"prompt": MULTI["prompt_messages"], "answer": "yes"}
+    assert record_prompt(MULTI, False, "t") == {"prompt": "be brief\nq1\nr1\nq2", "answer": "yes"}
+    assert record_prompt(FLAT, True, "t") == {"prompt": [{"role": "user", "content": "p"}], "answer": "c"}
+    assert record_prompt(FLAT, False, "t") == {"prompt": "p", "answer": "c"}
 
 
 def test_eval_renders_turns_with_the_chat_template():
@@ -47,7 +46,7 @@ def test_eval_renders_turns_with_the_chat_template():
 
     from lmforge.records import prompt_turns
     from trainer import chat_templates
-    from trainer.evaluate import format_prompt
+    from tasks.evaluation.engine import format_prompt
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
     tok.chat_template = chat_templates.SMOLLM2

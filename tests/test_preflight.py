@@ -1,6 +1,7 @@
 """Services that are down or refuse the run: `lmforge run` exits 2 within 30 s with one line naming the URL and the
-setting or environment variable to fix, before any stage runs. (An unreachable tracking server took 274 s and
-printed only urllib3 warnings; a down S3 endpoint or bad credentials gave a raw traceback from planning.)"""
+setting or environment variable to fix, before any stage runs. (Without these checks an unreachable tracking server
+hangs for minutes printing only urllib3 warnings, and a down S3 endpoint or bad credentials give a raw traceback
+from planning.)"""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import pytest
 import s3fs
 
 from flows.cli import main
-from tests.conftest import basic_config, write_config
+from tests.helpers import basic_config, write_config
 
 
 def _run(tmp_path, capsys, **top) -> tuple[int, float, str]:
@@ -63,7 +64,7 @@ def test_s3_wrong_credentials_and_missing_bucket(s3, tmp_path, capsys, monkeypat
 
 
 def test_an_ephemeral_prefect_server_that_does_not_start_in_time_says_what_to_do(tmp_path):
-    """Under load Prefect's temporary API server missed its 20 s start-up window in 5 of ~20 runs, with a bare
+    """Under load Prefect's temporary API server can miss its default 20 s start-up window, with a bare
     RuntimeError. lmforge gives it 180 s, and when even that is not enough the message says what to set or start.
     Forced here with a 0 s window, in a CLI process of its own (the test session's server is already up)."""
     import os
@@ -72,7 +73,7 @@ def test_an_ephemeral_prefect_server_that_does_not_start_in_time_says_what_to_do
 
     import psutil
 
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     cfg = write_config(tmp_path, basic_config(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0",
@@ -98,13 +99,13 @@ def test_an_ephemeral_prefect_server_that_does_not_start_in_time_says_what_to_do
 
 
 def test_the_cli_gives_prefects_temporary_server_180_s_to_start():
-    """Prefect reads its settings when first imported: a default set after that import (as flows/pipeline.py once
-    did) left Prefect at its 20 s, and sweep runs under load stopped after 21 s. Imported in the CLI's order."""
+    """Prefect reads its settings when first imported: a default set after that import leaves Prefect at its 20 s,
+    which runs under load overshoot. Imported in the CLI's order."""
     import os
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     probe = ("import flows.cli\nfrom prefect.exceptions import CancelledRun\nimport flows.pipeline\n"
              "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as s\nprint(s.value())")

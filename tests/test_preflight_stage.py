@@ -13,7 +13,7 @@ from flows.pipeline import StageFailed, pipeline as run_pipeline
 from lmforge.config import parse_config
 from lmforge.errors import ConfigError
 from lmforge.plan import make_plan
-from tests.test_trainer import artifact, pipeline, root, run_stages, sft  # noqa: F401  (root: a fixture)
+from tests.helpers import artifact, plan_of, run_stages, sft, train_pipeline
 
 LORA = {"rank": 4, "target_modules": "all-linear"}
 
@@ -21,15 +21,15 @@ LORA = {"rank": 4, "target_modules": "all-linear"}
 def test_a_preflight_is_linked_to_its_training_stage(root, kinds):
     tmp_path = root
     train = sft(method="lora", lora=LORA, max_steps=40)
-    alone = make_plan(parse_config(pipeline(tmp_path, {"sft": train}), kinds, root=tmp_path), kinds)
-    raw = pipeline(tmp_path, {"sft": train, "pf": {"kind": "preflight", "stage": "sft"}})
+    alone = plan_of(train_pipeline(tmp_path, {"sft": train}), kinds, tmp_path)
+    raw = train_pipeline(tmp_path, {"sft": train, "pf": {"kind": "preflight", "stage": "sft"}})
     cfg = parse_config(raw, kinds, root=tmp_path)
     assert cfg.stages["pf"].inputs == cfg.stages["sft"].inputs and cfg.stages["sft"].after == ["pf"]
     assert cfg.topo_order().index("pf") < cfg.topo_order().index("sft")
     plan = make_plan(cfg, kinds)
     assert plan.stages["sft"].artifact_id == alone.stages["sft"].artifact_id  # `after` is not part of the id
     raw["stages"]["sft"]["learning_rate"] = 1e-2
-    again = make_plan(parse_config(raw, kinds, root=tmp_path), kinds)
+    again = plan_of(raw, kinds, tmp_path)
     assert again.stages["pf"].artifact_id != plan.stages["pf"].artifact_id  # the planned settings changed
     for stage, problem in (("nope", "stages.pf.stage: no stage named 'nope'"),
                            ("shard", "stages.pf.stage: 'shard' is a shard stage; a preflight tries a training stage")):
@@ -67,7 +67,7 @@ def test_preflight_measures_steps_checkpoint_reload_and_the_estimate(root, kinds
 def test_a_failed_preflight_stops_the_pipeline_before_the_training_stage(root, kinds_module, tmp_path):
     """A preflight whose estimate is further from the measurement than allowed fails; the flow ends the training
     stage NotRun, naming the preflight, and trains nothing."""
-    raw = pipeline(root, {"sft_gate": sft(method="lora", lora=LORA, max_steps=200, control_prompts=[]),
+    raw = train_pipeline(root, {"sft_gate": sft(method="lora", lora=LORA, max_steps=200, control_prompts=[]),
                           "pf_gate": {"kind": "preflight", "stage": "sft_gate", "steps": 2,
                                       "max_estimate_error": 0.0001, "retries": 0}})
     path = root / "gated.yaml"
@@ -77,5 +77,5 @@ def test_a_failed_preflight_stops_the_pipeline_before_the_training_stage(root, k
     msg = str(e.value)
     assert "stage 'pf_gate': DataError" in msg and "beyond max_estimate_error 0.0001" in msg
     assert "stage 'sft_gate': not run: upstream pf_gate failed" in msg
-    plan = make_plan(parse_config(raw, kinds_module, root=root), kinds_module)
+    plan = plan_of(raw, kinds_module, root)
     assert plan.stages["sft_gate"].action == "run"  # nothing was trained

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import signal
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,51 +20,33 @@ from lmforge.config import parse_config
 from lmforge.errors import ConfigError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
-from tests.test_trainer import SFT_FAST, TINY_LLAMA, _training_child, artifact, chat_rows
+from tests.helpers import (SFT_FAST, TINY_LLAMA, artifact, chat_rows, fact_docs, pipeline_config, plan_of, run_config,
+                           signal_after_first_checkpoint, write_jsonl)
 
 LENGTH = 64
 FAST = {"max_length_tokens": LENGTH, "batch_size_per_device": 8, "learning_rate": 3e-3, "warmup_steps": 2,
         "logging_steps": 1, "retries": 0}
 
 
-def fact_docs(n: int, seed: int = 0) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n):
-        facts = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(rng.randint(2, 8))]
-        docs.append({"text": " ".join(f"{a} plus {b} equals {a + b}." for a, b in facts)})
-    return docs
-
-
 def pipeline(root: Path, stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "name": "pretrain",
-        "store": str(root / "artifacts"),
-        "tracking": f"sqlite:///{root / 'mlflow.db'}",
-        "datasets": {"text": {"path": "data/text.jsonl", "kind": "text"},
-                     "chat": {"path": "data/chat.jsonl", "kind": "chat"}},
-        "stages": {
-            "ingest_text": {"kind": "ingest", "inputs": ["text"], "retries": 0},
-            "shard_text": {"kind": "shard", "inputs": ["ingest_text"], "max_count": 40, "validation_fraction": 0.1,
-                           "retries": 0},
-            "ingest_chat": {"kind": "ingest", "inputs": ["chat"], "retries": 0},
-            "shard_chat": {"kind": "shard", "inputs": ["ingest_chat"], "validation_fraction": 0.1, "retries": 0},
-            "tokenizer": {"kind": "tokenizer", "inputs": ["shard_text", "shard_chat"], "vocab_size": 300,
-                          "min_frequency": 1, "retries": 0},
-            **stages,
-        },
-    }
+    return pipeline_config("pretrain", root, {"text": "text", "chat": "chat"}, {
+        "ingest_text": {"kind": "ingest", "inputs": ["text"], "retries": 0},
+        "shard_text": {"kind": "shard", "inputs": ["ingest_text"], "max_count": 40, "validation_fraction": 0.1,
+                       "retries": 0},
+        "ingest_chat": {"kind": "ingest", "inputs": ["chat"], "retries": 0},
+        "shard_chat": {"kind": "shard", "inputs": ["ingest_chat"], "validation_fraction": 0.1, "retries": 0},
+        "tokenizer": {"kind": "tokenizer", "inputs": ["shard_text", "shard_chat"], "vocab_size": 300,
+                      "min_frequency": 1, "retries": 0},
+        **stages,
+    })
 
 
 def make(root: Path, kinds, stages: dict[str, dict[str, Any]]):
-    return make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
+    return plan_of(pipeline(root, stages), kinds, root)
 
 
 def run_stages(root: Path, kinds, stages: dict[str, dict[str, Any]], names: list[str]):
-    plan = make(root, kinds, stages)
-    ctx = RunContext(plan=plan, kinds=kinds)
-    return plan, {n: execute_stage(ctx, n) for n in names}
+    return run_config(pipeline(root, stages), kinds, root, names)
 
 
 def pretrain(**over) -> dict[str, Any]:
@@ -76,7 +54,7 @@ def pretrain(**over) -> dict[str, Any]:
             **FAST, **over}
 
 
-#: the from-scratch run: streamed, 2 DataLoader workers, checkpoints every 10 steps (~30 ms a step)
+#: the from-scratch run: streamed, 2 DataLoader workers, checkpoints every 10 steps
 SCRATCH = pretrain(max_steps=120, num_workers=2, checkpoint_every_steps=10, keep_checkpoints=2)
 
 
@@ -201,35 +179,10 @@ def test_a_reader_without_rows_is_an_error_not_an_endless_loop(root, kinds_modul
 # from scratch: killed after a checkpoint, resumed at that step, then checked end to end
 
 
-def _kill_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str) -> tuple[int, list[BaseException]]:
-    from trainer import checkpoint
-
-    plan = make(root, kinds, stages)
-    uri = plan.store.checkpoint_uri("pretrain", plan.stages[name].artifact_id)
-    errors: list[BaseException] = []
-
-    def attempt():
-        try:
-            execute_stage(RunContext(plan=plan, kinds=kinds), name)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    t = threading.Thread(target=attempt)
-    t.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and checkpoint.latest_complete(uri) is None and t.is_alive():
-        time.sleep(0.005)
-    child = _training_child()
-    assert child is not None and checkpoint.latest_complete(uri) is not None, "no checkpoint before the run ended"
-    child.send_signal(signal.SIGKILL)
-    t.join(60)
-    return checkpoint.latest_complete(uri)[0], errors
-
-
 @pytest.fixture(scope="module")
 def scratch(root, kinds_module):
     """The from-scratch run, SIGKILLed after its first uploaded checkpoint, then rerun: (plan, step killed at)."""
-    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"pt": SCRATCH}, "pt")
+    killed_at, errors = signal_after_first_checkpoint(make(root, kinds_module, {"pt": SCRATCH}), kinds_module, "pt")
     from trainer.errors import TrainingError
 
     assert len(errors) == 1 and isinstance(errors[0], TrainingError), errors
@@ -385,7 +338,7 @@ def test_streamed_resume_ends_with_the_same_weights_as_an_uninterrupted_run(root
 
     stage = pretrain(max_steps=60, num_workers=2, checkpoint_every_steps=5, shuffle_buffer_rows=50, seed=1,
                      evaluate=False, control_prompts=[])
-    killed_at, _ = _kill_after_first_checkpoint(root, kinds_module, {"again": stage}, "again")
+    killed_at, _ = signal_after_first_checkpoint(make(root, kinds_module, {"again": stage}), kinds_module, "again")
     plan, _ = run_stages(root, kinds_module, {"again": stage}, ["again"])
     resumed = artifact(plan, "again")
     assert resumed.result["resumed_from_step"] == killed_at > 0

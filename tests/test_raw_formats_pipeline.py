@@ -12,41 +12,34 @@ import yaml
 
 from flows.pipeline import pipeline as run_pipeline
 from lmforge.store import ArtifactStore
-from tests.test_trainer import TINY_LLAMA
+from tests.helpers import TINY_LLAMA
+
+
+def digit_pairs(seed: int, n: int) -> list[tuple[int, int]]:
+    """n seeded pairs of digits to add."""
+    rng = random.Random(seed)
+    return [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(n)]
 
 
 def alpaca_rows(n: int) -> list[dict]:
-    rng = random.Random(0)
-    rows = []
-    for i in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": f"{a} plus {b} is {a + b}.",
-                     **({"system": "Answer in one sentence."} if i % 3 == 0 else {})})
-    return rows
+    return [{"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": f"{a} plus {b} is {a + b}.",
+             **({"system": "Answer in one sentence."} if i % 3 == 0 else {})}
+            for i, (a, b) in enumerate(digit_pairs(0, n))]
 
 
 def llama_factory_pairs(n: int) -> list[dict]:
-    rng = random.Random(1)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"conversations": [{"from": "human", "value": f"Add the two numbers.\n\n{a} and {b}"}],
-                     "chosen": {"from": "gpt", "value": f"{a} plus {b} is {a + b}."},
-                     "rejected": {"from": "gpt", "value": f"{a} plus {b} is {a + b + 1}."}})
-    return rows
+    return [{"conversations": [{"from": "human", "value": f"Add the two numbers.\n\n{a} and {b}"}],
+             "chosen": {"from": "gpt", "value": f"{a} plus {b} is {a + b}."},
+             "rejected": {"from": "gpt", "value": f"{a} plus {b} is {a + b + 1}."}} for a, b in digit_pairs(1, n)]
 
 
 def trl_conversational_pairs(n: int) -> list[dict]:
-    rng = random.Random(2)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": "Add the two numbers."},
-                                {"role": "assistant", "content": "Which ones?"},
-                                {"role": "user", "content": f"{a} and {b}"}],
-                     "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}],
-                     "rejected": [{"role": "assistant", "content": f"{a} plus {b} is {a + b + 2}."}]})
-    return rows
+    return [{"prompt": [{"role": "user", "content": "Add the two numbers."},
+                        {"role": "assistant", "content": "Which ones?"},
+                        {"role": "user", "content": f"{a} and {b}"}],
+             "chosen": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}],
+             "rejected": [{"role": "assistant", "content": f"{a} plus {b} is {a + b + 2}."}]}
+            for a, b in digit_pairs(2, n)]
 
 
 def test_raw_alpaca_llama_factory_and_trl_files_run_sft_dpo_eval(tmp_path):

@@ -12,7 +12,7 @@ from flows.pipeline import pipeline
 from lmforge.records import iter_records
 from lmforge.shards import iter_samples
 from lmforge.store import ArtifactStore
-from tests.conftest import basic_config, write_config
+from tests.helpers import basic_config, write_config
 
 pytestmark = pytest.mark.s3
 

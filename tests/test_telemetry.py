@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 PROBE = ("import json, flows.cli; from prefect.settings import get_current_settings; "
          "print(json.dumps([get_current_settings().server.analytics_enabled, __import__('os').environ['DO_NOT_TRACK']]))")
@@ -32,7 +32,7 @@ def test_lmforge_run_starts_prefects_server_with_analytics_off(tmp_path):
     process, and that server, the part that reports usage, runs with analytics off and DO_NOT_TRACK set."""
     import psutil
 
-    from tests.conftest import basic_config, write_config
+    from tests.helpers import basic_config, write_config
 
     cfg = write_config(tmp_path, basic_config(tmp_path))
     clean = {k: v for k, v in os.environ.items() if k not in ("DO_NOT_TRACK", "PREFECT_SERVER_ANALYTICS_ENABLED")}

@@ -18,11 +18,10 @@ import yaml
 
 from lmforge.config import parse_config
 from lmforge.errors import ConfigError
-from lmforge.executor import RunContext, execute_stage
-from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore
-from tests.conftest import REPO, write_jsonl
-from tests.test_trainer import SFT_FAST, TINY_LLAMA, _kill_after_first_checkpoint, artifact, chat_rows, pipeline
+from tests.helpers import (IDENTICAL, LONG, REPO, SFT_FAST, TINY_LLAMA, align_pipeline, align_store, artifact,
+                           assert_pair_counts, chat_rows, chat_store, dpo, plan_of, preference_rows, reward, run_align,
+                           run_stages, signal_after_first_checkpoint, train_pipeline, write_jsonl)
 
 TOK = {"kind": "tokenize", "inputs": ["shard", "tokenizer"], "retries": 0}
 
@@ -32,18 +31,9 @@ def sft(**over) -> dict[str, Any]:
             "evaluate": True, "control_prompts": [], **over}
 
 
-def run(root: Path, kinds, stages: dict[str, dict], names: list[str]):
-    plan = make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
-    ctx = RunContext(plan=plan, kinds=kinds)
-    return plan, {n: execute_stage(ctx, n) for n in names}
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, kinds_module):
-    root = tmp_path_factory.mktemp("tokenize")
-    write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
-    run(root, kinds_module, {}, ["ingest", "shard", "tokenizer"])
-    return root
+    return chat_store(tmp_path_factory.mktemp("tokenize"), kinds_module, chat_rows(200))
 
 
 def test_token_rows_are_what_trl_prepares(root, kinds_module):
@@ -53,7 +43,7 @@ def test_token_rows_are_what_trl_prepares(root, kinds_module):
 
     from lmforge.shards import iter_samples
 
-    plan, _ = run(root, kinds_module, {"tokens": TOK, "sft": sft()}, ["tokens"])
+    plan, _ = run_stages(root, kinds_module, {"tokens": TOK, "sft": sft()}, ["tokens"])
     tokens = artifact(plan, "tokens")
     assert tokens.result["data_kind"] == "sft_tokens" and tokens.result["max_length_tokens"] == 64  # from the sft
     ours = [(r["input_ids"], r["labels"]) for r in iter_samples(tokens, "train")]
@@ -78,7 +68,7 @@ def test_two_lmforge_runs_with_other_learning_rates_reuse_the_token_shards(root,
     sft that streams the same token shards (its result names them)."""
     stages = {"tokens": TOK, "sft": sft(learning_rate=3e-3, max_steps=6, max_length_tokens=48)}  # 48: its own rows
     cfg = root / "reuse.yaml"
-    cfg.write_text(yaml.safe_dump(pipeline(root, stages), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(train_pipeline(root, stages), sort_keys=False))
     summaries = []
     for i, extra in enumerate(([], ["-o", "stages.sft.learning_rate=0.001"])):
         out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg), *extra, "--json",
@@ -104,7 +94,7 @@ def test_two_lmforge_runs_with_other_learning_rates_reuse_the_token_shards(root,
 def test_streamed_epochs_become_steps(root, kinds_module):
     """Two epochs of the streamed split: ceil(rows / batch) x 2 optimizer steps, as the Trainer counts a map-style
     epoch; the length-grouped stream pads far less than the rows would in a random order."""
-    plan, _ = run(root, kinds_module, {"tokens": TOK, "sft_ep": sft(epochs=2, batch_size_per_device=16)},
+    plan, _ = run_stages(root, kinds_module, {"tokens": TOK, "sft_ep": sft(epochs=2, batch_size_per_device=16)},
                   ["tokens", "sft_ep"])
     rows = artifact(plan, "tokens").result["train_rows"]
     r = artifact(plan, "sft_ep").result
@@ -120,13 +110,14 @@ def test_resumed_streamed_run_ends_with_the_same_weights(root, kinds_module, tmp
 
     stage = sft(method="full", max_steps=40, checkpoint_every_steps=2, evaluate=False, seed=1)
     stages = {"tokens": TOK, "resume": stage}
-    run(root, kinds_module, stages, ["tokens"])
-    killed_at, _ = _kill_after_first_checkpoint(root, kinds_module, stages, "resume")
-    plan, _ = run(root, kinds_module, stages, ["resume"])
+    run_stages(root, kinds_module, stages, ["tokens"])
+    plan = plan_of(train_pipeline(root, stages), kinds_module, root)
+    killed_at, _ = signal_after_first_checkpoint(plan, kinds_module, "resume")
+    plan, _ = run_stages(root, kinds_module, stages, ["resume"])
     resumed = artifact(plan, "resume")
     assert resumed.result["resumed_from_step"] == killed_at > 0
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(200))  # a second store, same data
-    plan2, _ = run(tmp_path, kinds_module, {"tokens": TOK, "resume": {**stage, "checkpoint_every_steps": None}},
+    plan2, _ = run_stages(tmp_path, kinds_module, {"tokens": TOK, "resume": {**stage, "checkpoint_every_steps": None}},
                    ["ingest", "shard", "tokenizer", "tokens", "resume"])
     straight = artifact(plan2, "resume")
     assert straight.id == resumed.id and straight.result["resumed_from_step"] == 0
@@ -137,15 +128,15 @@ def test_resumed_streamed_run_ends_with_the_same_weights(root, kinds_module, tmp
 def test_row_settings_must_agree_with_the_reader(root, kinds_module):
     bad = {"tokens": {**TOK, "max_length_tokens": 32}, "sft": sft()}
     with pytest.raises(ConfigError) as e:
-        parse_config(pipeline(root, bad), kinds_module, root=root)
+        parse_config(train_pipeline(root, bad), kinds_module, root=root)
     assert "stages.tokens.max_length_tokens: 32 differs from stages.sft.max_length_tokens (64)" in str(e.value)
     two = {"tokens": TOK, "a": sft(), "b": sft(max_length_tokens=48)}
     with pytest.raises(ConfigError) as e:
-        parse_config(pipeline(root, two), kinds_module, root=root)
+        parse_config(train_pipeline(root, two), kinds_module, root=root)
     assert "stages.tokens.max_length_tokens: stages a and b read these token shards" in str(e.value)
     other_inputs = {"tokens": {**TOK, "inputs": ["shard"], "base_model": {"config": TINY_LLAMA}}, "sft": sft()}
     with pytest.raises(ConfigError) as e:
-        parse_config(pipeline(root, other_inputs), kinds_module, root=root)
+        parse_config(train_pipeline(root, other_inputs), kinds_module, root=root)
     assert "stages.tokens.inputs: the tokenizer/model inputs [] differ from stage sft's" in str(e.value)
 
 
@@ -177,11 +168,11 @@ def test_a_data_set_larger_than_the_memory_cap_trains_with_bounded_rss(root, kin
     stages = {"tokens": {**TOK, "rows_per_shard": 2000}, "s": stage}
     names = ["ingest", "shard", "tokenizer", "tokens", "s"]
     write_jsonl(tmp_path / "small" / "data" / "chat.jsonl", long_chat_rows(200))
-    small_plan, _ = run(tmp_path / "small", kinds_module, stages, names)
+    small_plan, _ = run_stages(tmp_path / "small", kinds_module, stages, names)
     small = artifact(small_plan, "s").result
 
     write_jsonl(tmp_path / "big" / "data" / "chat.jsonl", long_chat_rows(30_000))
-    big_plan, _ = run(tmp_path / "big", kinds_module, stages, names)
+    big_plan, _ = run_stages(tmp_path / "big", kinds_module, stages, names)
     tokens = artifact(big_plan, "tokens").result
     big = artifact(big_plan, "s").result
     n, toks = tokens["train_rows"], tokens["tokens"]["train"]
@@ -203,7 +194,7 @@ def test_a_damaged_token_shard_stops_the_training_and_names_the_file(root, kinds
     from lmforge.errors import ArtifactError
 
     stages = {"tokens": TOK, "sft_dmg": sft(max_steps=4, learning_rate=7e-3, evaluate=False)}
-    plan, _ = run(root, kinds_module, stages, ["tokens"])
+    plan, _ = run_stages(root, kinds_module, stages, ["tokens"])
     made = artifact(plan, "tokens")
     shard = Path(made.path) / "train-000000.tar"
     good = shard.read_bytes()
@@ -212,7 +203,7 @@ def test_a_damaged_token_shard_stops_the_training_and_names_the_file(root, kinds
     shard.write_bytes(bytes(bad))
     try:
         with pytest.raises((TrainingError, ArtifactError)) as e:
-            run(root, kinds_module, stages, ["sft_dmg"])
+            run_stages(root, kinds_module, stages, ["sft_dmg"])
     finally:
         shard.write_bytes(good)
     msg = str(e.value)
@@ -225,34 +216,21 @@ def test_a_preflight_tries_an_sft_that_streams_token_shards(root, kinds_module):
     """preflight takes its training stage's inputs: the token shards, whose row settings follow that stage."""
     stages = {"tokens": TOK, "sft_pf": sft(max_steps=20), "pf": {"kind": "preflight", "stage": "sft_pf",
                                                                  "steps": 3, "retries": 0}}
-    plan, out = run(root, kinds_module, stages, ["tokens", "pf"])
+    plan, out = run_stages(root, kinds_module, stages, ["tokens", "pf"])
     r = artifact(plan, "pf").result
     assert plan.stages["pf"].inputs == ["tokens", "tokenizer"] and r["reload_ok"] and r["steps"] == 3
 
 
 # ----------------------------------------------------------------------------------------------
-# dpo and reward rows (the preference set of tests/test_align.py: 120 good pairs, 6 identical, 5 too long)
+# dpo and reward rows (tests/helpers.py preference_rows: 120 good pairs, 6 identical, 5 too long)
 
 
 @pytest.fixture(scope="module")
 def align_root(tmp_path_factory, kinds_module):
-    from tests import test_align
-
-    root = tmp_path_factory.mktemp("tokenize-align")
-    write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
-    write_jsonl(root / "data" / "pairs.jsonl", test_align.preference_rows())
-    test_align.run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer", "ingest_pairs", "shard_pairs",
-                                                   "sft"])
-    return root
+    return align_store(tmp_path_factory.mktemp("tokenize-align"), kinds_module, chat_rows(200), preference_rows())
 
 
 PAIR_TOK = {"kind": "tokenize", "inputs": ["shard_pairs", "sft"], "retries": 0}
-
-
-def _align(root, kinds, stages, names):
-    from tests import test_align
-
-    return test_align.run_stages(root, kinds, stages, names)
 
 
 def test_preference_rows_are_what_dpo_and_reward_trainers_prepare(align_root, kinds_module):
@@ -263,12 +241,11 @@ def test_preference_rows_are_what_dpo_and_reward_trainers_prepare(align_root, ki
     from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
     from lmforge.shards import iter_samples
-    from tests.test_align import IDENTICAL, LONG, dpo, reward
-    from trainer.reward import pair_example
+    from trainer.preference import pair_example
 
     stages = {"dtok": PAIR_TOK, "rtok": PAIR_TOK, "d": {**dpo(), "inputs": ["dtok", "sft"]},
               "r": {**reward(), "inputs": ["rtok", "sft"]}}
-    plan, _ = _align(align_root, kinds_module, stages, ["dtok", "rtok"])
+    plan, _ = run_align(align_root, kinds_module, stages, ["dtok", "rtok"])
     dtok, rtok = artifact(plan, "dtok"), artifact(plan, "rtok")
     assert (dtok.result["rows"], rtok.result["rows"]) == ("dpo", "reward")  # from the reading stages
     assert dtok.id != rtok.id
@@ -296,20 +273,18 @@ def test_preference_rows_are_what_dpo_and_reward_trainers_prepare(align_root, ki
 
 def test_dpo_and_reward_stream_token_rows(align_root, kinds_module):
     """dpo and reward on a tokenize stage's rows: trained from the stream, with the exact counts of the
-    in-memory path (tests/test_align.py's _counts), held-out accuracy, and the token artifact named."""
-    from tests.test_align import _counts, dpo, reward
-
+    in-memory path (tests/helpers.py assert_pair_counts), held-out accuracy, and the token artifact named."""
     stages = {"dtok": PAIR_TOK, "rtok": PAIR_TOK, "d": {**dpo(max_steps=6), "inputs": ["dtok", "sft"]},
               "r": {**reward(max_steps=6), "inputs": ["rtok", "sft"]}}
-    plan, _ = _align(align_root, kinds_module, stages, ["dtok", "rtok", "d", "r"])
+    plan, _ = run_align(align_root, kinds_module, stages, ["dtok", "rtok", "d", "r"])
     for name, tok, dropped in (("d", "dtok", "dropped_prompt_too_long"), ("r", "rtok", "dropped_too_long")):
         res = artifact(plan, name).result
-        _counts(res, dropped)
+        assert_pair_counts(res, dropped)
         assert res["token_shards"] == f"tokenize/{artifact(plan, tok).id}"
         assert res["steps"] == 6 and res["eval_reward_accuracy"] is not None
         assert res["padding_fraction"] is not None
     with pytest.raises(ConfigError) as e:  # one token artifact cannot serve two training kinds
-        parse_config(__import__("tests.test_align", fromlist=["pipeline"]).pipeline(
-            align_root, {"tok": PAIR_TOK, "d": {**dpo(), "inputs": ["tok", "sft"]},
-                         "r": {**reward(), "inputs": ["tok", "sft"]}}), kinds_module, root=align_root)
+        parse_config(align_pipeline(align_root, {"tok": PAIR_TOK, "d": {**dpo(), "inputs": ["tok", "sft"]},
+                                                 "r": {**reward(), "inputs": ["tok", "sft"]}}),
+                     kinds_module, root=align_root)
     assert "stages.tok.rows: stages of kinds dpo, reward read these token shards" in str(e.value)

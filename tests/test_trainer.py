@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,66 +19,8 @@ from lmforge.config import parse_config
 from lmforge.errors import ConfigError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
-from tests.conftest import REPO, write_jsonl
-
-TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-              "tie_word_embeddings": True}
-SFT_FAST = {"max_length_tokens": 64, "batch_size_per_device": 8, "learning_rate": 3e-3, "warmup_steps": 2,
-            "logging_steps": 1, "retries": 0}
-
-
-def chat_rows(n: int) -> list[dict[str, Any]]:
-    rows = []
-    for i in range(n):
-        a, b = i % 10, (i * 7 + 3) % 10
-        rows.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                                  {"role": "assistant", "content": f"{a} plus {b} equals {a + b}."}]})
-    return rows
-
-
-def pipeline(root: Path, stages: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Data stages shared by every test, plus the given training stages."""
-    return {
-        "name": "train",
-        "store": str(root / "artifacts"),
-        "tracking": f"sqlite:///{root / 'mlflow.db'}",
-        "datasets": {"chat": {"path": "data/chat.jsonl", "kind": "chat"}},
-        "stages": {
-            "ingest": {"kind": "ingest", "inputs": ["chat"], "retries": 0},
-            "shard": {"kind": "shard", "inputs": ["ingest"], "validation_fraction": 0.1, "retries": 0},
-            "tokenizer": {"kind": "tokenizer", "inputs": ["shard"], "vocab_size": 300, "min_frequency": 1,
-                          "retries": 0},
-            **stages,
-        },
-    }
-
-
-def run_stages(root: Path, kinds, stages: dict[str, dict[str, Any]], names: list[str], tracker=None):
-    plan = make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
-    ctx = RunContext(plan=plan, kinds=kinds, tracker=tracker)
-    if tracker is not None:
-        ctx.parent_run_id = tracker.start_run("pipeline", {})
-    out = {n: execute_stage(ctx, n) for n in names}
-    return plan, out
-
-
-def artifact(plan, name):
-    sp = plan.stages[name]
-    return plan.store.require(sp.kind, sp.artifact_id)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory, kinds_module):
-    root = tmp_path_factory.mktemp("train")
-    write_jsonl(root / "data" / "chat.jsonl", chat_rows(200))
-    run_stages(root, kinds_module, {}, ["ingest", "shard", "tokenizer"])
-    return root
-
-
-def sft(**over) -> dict[str, Any]:
-    return {"kind": "sft", "inputs": ["shard", "tokenizer"], "base_model": {"config": TINY_LLAMA}, **SFT_FAST, **over}
-
+from tests.helpers import (REPO, SFT_FAST, TINY_LLAMA, artifact, chat_rows, plan_of, run_stages, sft,
+                           signal_after_first_checkpoint, train_pipeline, write_jsonl)
 
 # ----------------------------------------------------------------------------------------------
 # tokenizer
@@ -229,7 +170,7 @@ def test_sft_lora_trains_adapters_only_and_reloads_on_its_base(root, kinds_modul
 def _fails(root, kinds, stage: dict[str, Any]) -> str:
     with pytest.raises(ConfigError) as e:
         run_stages(root, kinds, {"bad": stage}, ["bad"])
-    plan = make_plan(parse_config(pipeline(root, {"bad": stage}), kinds, root=root), kinds)
+    plan = make_plan(parse_config(train_pipeline(root, {"bad": stage}), kinds, root=root), kinds)
     assert plan.store.get("sft", plan.stages["bad"].artifact_id) is None
     return str(e.value)
 
@@ -290,7 +231,7 @@ def test_config_errors_caught_when_the_pipeline_is_parsed(root, kinds_module):
         "tok_input": {"kind": "tokenizer", "inputs": ["ingest"]},
     }
     with pytest.raises(ConfigError) as e:
-        parse_config(pipeline(root, bad), kinds_module, root=root)
+        parse_config(train_pipeline(root, bad), kinds_module, root=root)
     assert sorted(e.value.problems) == sorted([
         "stages.two_sources.base_model: value error, set exactly one of config, path, package (with file) or hub; got "
         f"config, path, got {{'config': {TINY_LLAMA!r}, 'path': '/x'}}",
@@ -312,54 +253,12 @@ def test_config_errors_caught_when_the_pipeline_is_parsed(root, kinds_module):
 # checkpoints: SIGKILL the training process, rerun, resume
 
 
-def _training_child():
-    import psutil
-
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "trainer.entry" in " ".join(p.cmdline()):
-                return p
-        except psutil.NoSuchProcess:
-            continue
-    return None
-
-
-def _kill_after_first_checkpoint(root, kinds, stages: dict[str, Any], name: str,
-                                 sig: int = signal.SIGKILL) -> tuple[int, list[BaseException]]:
-    """Run the stage in a thread; signal its training process once a checkpoint is uploaded.
-
-    Returns the newest complete checkpoint's step at the kill, and what the stage raised.
-    """
-    from trainer import checkpoint
-
-    plan = make_plan(parse_config(pipeline(root, stages), kinds, root=root), kinds)
-    uri = plan.store.checkpoint_uri("sft", plan.stages[name].artifact_id)
-    errors: list[BaseException] = []
-
-    def attempt():
-        try:
-            execute_stage(RunContext(plan=plan, kinds=kinds), name)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    t = threading.Thread(target=attempt)
-    t.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and checkpoint.latest_complete(uri) is None and t.is_alive():
-        time.sleep(0.005)
-    child = _training_child()
-    assert child is not None and checkpoint.latest_complete(uri) is not None, "no checkpoint before the run ended"
-    child.send_signal(sig)
-    t.join(60)
-    return checkpoint.latest_complete(uri)[0], errors
-
-
 def test_sigterm_checkpoints_at_the_end_of_the_step_and_stops(root, kinds_module):
     from trainer.errors import Preempted
 
     stage = sft(method="lora", max_steps=200, checkpoint_every_steps=3, evaluate=False)
-    stopped, errors = _kill_after_first_checkpoint(root, kinds_module, {"preempt": stage}, "preempt", signal.SIGTERM)
-    plan = make_plan(parse_config(pipeline(root, {"preempt": stage}), kinds_module, root=root), kinds_module)
+    plan = plan_of(train_pipeline(root, {"preempt": stage}), kinds_module, root)
+    stopped, errors = signal_after_first_checkpoint(plan, kinds_module, "preempt", signal.SIGTERM)
     uri = plan.store.checkpoint_uri("sft", plan.stages["preempt"].artifact_id)
     assert len(errors) == 1 and isinstance(errors[0], Preempted), errors
     assert 3 <= stopped < 200  # the step it was on when SIGTERM came, saved whether or not a multiple of 3
@@ -379,10 +278,10 @@ def test_sigkill_then_rerun_resumes_and_ends_with_the_same_weights_as_an_uninter
     from trainer import checkpoint
     from trainer.errors import TrainingError
 
-    # 60 steps of ~20 ms: the kill lands seconds before the end, well after the first upload
+    # 60 tiny steps: the kill lands before the end, well after the first upload
     stage = sft(method="full", max_steps=60, checkpoint_every_steps=2, keep_checkpoints=2, evaluate=False, seed=1)
-    killed_at, errors = _kill_after_first_checkpoint(root, kinds_module, {"resume": stage}, "resume")
-    plan = make_plan(parse_config(pipeline(root, {"resume": stage}), kinds_module, root=root), kinds_module)
+    plan = plan_of(train_pipeline(root, {"resume": stage}), kinds_module, root)
+    killed_at, errors = signal_after_first_checkpoint(plan, kinds_module, "resume")
     ckpt_uri = plan.store.checkpoint_uri("sft", plan.stages["resume"].artifact_id)
     assert killed_at % 2 == 0 and 2 <= killed_at < 60
     assert len(errors) == 1 and isinstance(errors[0], TrainingError)
@@ -731,7 +630,7 @@ def test_sft_on_an_s3_store(s3, kinds_module, tmp_path):
 
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
     stage = sft(method="lora", max_steps=4, checkpoint_every_steps=2, evaluate=False)
-    raw = pipeline(tmp_path, {"sft": stage})
+    raw = train_pipeline(tmp_path, {"sft": stage})
     raw["store"] = "s3://lmforge-test/train-e2e"
     plan = make_plan(parse_config(raw, kinds_module, root=tmp_path), kinds_module)
     ctx = RunContext(plan=plan, kinds=kinds_module)

@@ -24,9 +24,7 @@ from lmforge.config import parse_config
 from lmforge.errors import ArtifactError, DataError
 from lmforge.executor import RunContext, execute_stage
 from lmforge.plan import make_plan
-from tests.conftest import write_jsonl
-from tests.test_pretrain import fact_docs
-from tests.test_trainer import SFT_FAST, TINY_LLAMA, chat_rows
+from tests.helpers import SFT_FAST, TINY_LLAMA, artifact, chat_rows, fact_docs, pipeline_config, write_jsonl
 
 LENGTH = 64
 SFT = {"kind": "sft", "inputs": ["shard", "tokenizer"], "base_model": {"config": TINY_LLAMA}, **SFT_FAST,
@@ -50,19 +48,11 @@ DATA = ["ingest", "shard", "ingest_text", "shard_text", "tokenizer"]
 
 
 def pipeline(root: Path) -> dict[str, Any]:
-    return {"name": "verified", "store": str(root / "artifacts"), "tracking": f"sqlite:///{root / 'mlflow.db'}",
-            "datasets": {"chat": {"path": "data/chat.jsonl", "kind": "chat"},
-                         "text": {"path": "data/text.jsonl", "kind": "text"}},
-            "stages": STAGES}
+    return pipeline_config("verified", root, {"chat": "chat", "text": "text"}, STAGES)
 
 
 def plan_of(root: Path, kinds, force: list[str] | None = None):
     return make_plan(parse_config(pipeline(root), kinds, root=root), kinds, force)
-
-
-def artifact(plan, name: str):
-    sp = plan.stages[name]
-    return plan.store.require(sp.kind, sp.artifact_id)
 
 
 @contextlib.contextmanager
