@@ -16,7 +16,7 @@ export HF_DATASETS_OFFLINE = 1
 OMP_NUM_THREADS ?= 1
 export OMP_NUM_THREADS
 
-.PHONY: setup demo test test-all bench lock clean ui
+.PHONY: setup demo test test-all bench lock clean ui docs
 
 setup: $(STAMP)
 
@@ -53,6 +53,10 @@ bench: setup
 
 ui: setup
 	$(BIN)/mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///mlflow.db
+
+# docs/config.md, config-nested.md and cli.md from the config schemas and the CLI parser (tests/test_docs.py)
+docs: setup
+	$(BIN)/python docs/generate.py
 
 # after changing requirements/base.in: install it into .venv, then freeze the whole set
 lock:
