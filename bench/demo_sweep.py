@@ -1,4 +1,4 @@
-"""The demo over a sweep of seeds and thread counts: does every run land inside the bands the README states?
+"""The demo over a sweep of seeds and thread counts: does every run land inside the bands configs/demo.yaml declares?
 
     python bench/demo_sweep.py [--runs 8] [--parallel 1] [--out DIR] [--json FILE] [-o KEY=VALUE ...] [--report]
 
@@ -15,7 +15,8 @@ lands outside one, and tests/test_demo.py holds a fresh demo to them. The script
 - per must-beat gate: the smallest improvement over the sweep, in stderrs of the difference (the gate asks > 2);
 - the decontaminate stages' matches (held-out questions found in training data: expected 0);
 - per run: seed, threads, wall time and the headline figures.
-The first table is the one the README shows (between its `demo-bands` markers), with the date and CPU it ran on.
+Its tables go into docs/results.md (the demo-bands section), with the date and CPU it ran on; the README shows the
+bands alone.
 """
 from __future__ import annotations
 
