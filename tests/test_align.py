@@ -243,7 +243,8 @@ def test_align_config_errors(root, kinds_module):
 # checkpoints: SIGKILL the training process, rerun, resume
 
 
-@pytest.mark.parametrize("kind", ["reward", "dpo", "dpo_streamed"])
+@pytest.mark.parametrize("kind", ["reward", "dpo", pytest.param("dpo_streamed", marks=pytest.mark.slow)])
+# dpo_streamed is slow-marked: tests/test_tokenize.py resumes a streamed training run in the default suite
 def test_sigkill_then_rerun_resumes_from_the_last_checkpoint(root, kinds_module, kind):
     """dpo_streamed: dpo on a tokenize stage's rows, streamed from the store, killed and resumed the same way (that
     the resumed stream skips exactly what the checkpoint consumed is tests/test_tokenize.py's bit-for-bit sft

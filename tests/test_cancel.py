@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from tests.helpers import assert_stopped_then_resumed, start_training_run
 
@@ -31,6 +32,7 @@ def _ended(proc: subprocess.Popen, family: list[psutil.Process]):
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow  # the stop, checkpoint, exit 3 and resume are tests/test_signals.py's SIGTERM test; this adds Prefect's cancel
 def test_prefect_flow_run_cancel_stops_lmforge_run_like_sigterm_and_the_flow_run_ends_cancelled(
         tmp_path, prefect_server, monkeypatch):
     from prefect.client.orchestration import SyncPrefectClient

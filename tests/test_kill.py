@@ -8,11 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from flows.pipeline import pipeline
 from lmforge.store import ArtifactStore
 from tests.helpers import REPO, basic_config, write_config
 
 
+@pytest.mark.slow  # tests/test_faults.py kills lmforge run -9 at four points over the demo, a data stage among them
 def test_kill_9_midway_leaves_no_manifest_and_rerun_completes(tmp_path):
     raw = basic_config(tmp_path, n=200_000)  # big enough that ingest runs for seconds
     cfg = write_config(tmp_path, raw)

@@ -62,6 +62,7 @@ def test_token_rows_are_what_trl_prepares(root, kinds_module):
     assert any(-100 in lab for _, lab in ours) and all(any(x != -100 for x in lab) for _, lab in ours)
 
 
+@pytest.mark.slow  # two full pipelines; token-shard reuse is the plain cache of a stage id that settings of sft do not reach
 def test_two_lmforge_runs_with_other_learning_rates_reuse_the_token_shards(root, kinds_module):
     """`lmforge run`, then the same command with another learning rate (-o): the second run reports the tokenize
     stage cached (its id depends on the data, tokenizer and row settings, not on the learning rate) and trains a new
