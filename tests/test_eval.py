@@ -249,6 +249,10 @@ def test_tasks_with_known_answers_table_files_and_limit_note(tmp_path, models, m
                     ["t_gen", "exact_match", "↑", "0.5000 ± 0.2236", "0.1667 ± 0.1667"],
                     ["lmforge_arith_gen", "exact_match", "↑", *[f"{em:.4f} ± {math.sqrt(em * (1 - em) / 39):.4f}"
                                                                  for em in (em7, em5)]]]
+    gated = comparison_rows(r.eval, {"t_gen": {"exact_match": True}},
+                            [{"metric": "seven/lmforge_arith_gen/exact_match"}, {"metric": "five/t_ll/acc"}])
+    assert [row[:2] for row in gated[1:]] == [["lmforge_arith_gen", "exact_match"], ["t_ll", "acc"], ["t_mc", "acc"],
+                                              ["t_gen", "exact_match"]]  # the gated metrics (the headline) first
     md = (out / "comparison.md").read_text()
     assert "| t_mc | acc | ↑ | 0.5000 ± 0.2236 | 0.1667 ± 0.1667 |" in md
     assert "Settings: num_fewshot 0, batch_size 8, seed 1234, limit 40," in md

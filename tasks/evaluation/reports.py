@@ -38,12 +38,15 @@ def _arrow(higher: bool | None) -> str:
     return {True: "↑", False: "↓", None: ""}[higher]
 
 
-def comparison_rows(scores: dict[str, dict[str, dict[str, float]]],
-                    dirs: dict[str, dict[str, bool]]) -> list[list[str]]:
-    """The table: one row per task/metric, one column per model; "value ± stderr"."""
+def comparison_rows(scores: dict[str, dict[str, dict[str, float]]], dirs: dict[str, dict[str, bool]],
+                    gates: list[dict[str, Any]] = ()) -> list[list[str]]:
+    """The table: one row per task/metric, one column per model; "value ± stderr". The gated task/metrics come first
+    (the pipeline's default headline), in the order of the gates; the rest keep their first-seen order."""
     models = list(scores)
     rows = [["task", "metric", "better", *models]]
-    for task, metric in _columns(scores):
+    gated = list(dict.fromkeys(tuple(g["metric"].split("/")[1:]) for g in gates))
+    columns = _columns(scores)
+    for task, metric in [c for c in gated if c in columns] + [c for c in columns if c not in gated]:
         rows.append([task, metric, _arrow(direction(task, metric, dirs)),
                      *(_cell(scores[m].get(task), metric) for m in models)])
     return rows
@@ -97,7 +100,7 @@ def _num(v: float | None, signed: bool = False) -> str:
 def write_reports(out: Path, cfg: EvalConfig, c: "Collected", gates: list[dict[str, Any]],
                   expectations: dict[str, dict[str, Any]]) -> None:
     scores, dirs, notes, generations = c.scores, c.higher_is_better, c.notes, c.generations
-    rows = comparison_rows(scores, dirs)
+    rows = comparison_rows(scores, dirs, gates)
     sections = []  # (title, intro, table rows, lines)
     if gates:
         sections.append(("Gates", "Margin: how far each result is on the passing side of its bar (negative: failed).",
