@@ -101,7 +101,9 @@ def cmd_deploy(args) -> int:
         print(f"  {d['name']}  (id {d['id']}; schedule: {d['schedule']})")
     print(f"""
 Start a worker (same machine, or one with this checkout at {PROJECT_ROOT}, and the same PREFECT_API_URL):
-  prefect worker start --pool {args.pool}
+  lmforge worker --pool {args.pool}
+(Prefect's process worker, as `prefect worker start --pool {args.pool}` runs it; with --run-once it exits with the
+worst flow run's status, where `prefect worker start --run-once` exits 0 whatever happened: docs/operations.md)
 Trigger a run now, and follow it:
   prefect deployment run {deps[0]['name']}
   lmforge status            # the latest run's stages; `lmforge rerun FLOW_RUN_ID` after fixing a failure""")

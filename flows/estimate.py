@@ -44,23 +44,29 @@ def format_table(report: dict[str, Any]) -> str:
         comps = m["components"]
         lines.append("  " + "  ".join(f"{k} {comps[k]['gib']:.3f}" for k in COMPONENTS)
                      + f"  = total {m['total_gib']:.3f}")
-        lines.append(f"  {'GPU':<11} {'fits':<4} {'headroom':>16} {'step s':>9} {'hours':>9} {'cost $':>10}  "
-                     "suggestion")
+        # what would fit, only where some GPU does not fit: a column that is empty in every row says nothing
+        misfit = any(not r["fits"] for r in s["gpus"].values())
+        lines.append(f"  {'GPU':<11} {'fits':<4} {'headroom':>16} {'step s':>9} {'hours':>9} {'cost $':>10}"
+                     + ("  to fit on this GPU" if misfit else ""))
         for g, r in s["gpus"].items():
             head = f"{r['headroom_gib']:.1f} GiB {r['headroom_pct']:.0f}%"
             hours = f"{r['hours']:.4g}" if r["hours"] is not None else "-"
             usd = f"{r['cost']['total_usd']:.2f}" if r["cost"] else "-"
-            sug = r.get("suggestion")
-            if sug is None:
-                text = ""
-            elif sug.get("batch_size_per_device"):
-                text = (f"batch_size_per_device {sug['batch_size_per_device']} x grad_accumulation_steps "
-                        f"{sug['grad_accumulation_steps']} ({sug['total_gib']:.1f} GiB)")
-            else:
-                text = f"no fit at micro-batch 1: {sug['advice']}"
-            lines.append(f"  {g:<11} {'yes' if r['fits'] else 'NO':<4} {head:>16} {r['step_seconds']:>9.4g} "
-                         f"{hours:>9} {usd:>10}  {text}")
+            lines.append((f"  {g:<11} {'yes' if r['fits'] else 'NO':<4} {head:>16} {r['step_seconds']:>9.4g} "
+                          f"{hours:>9} {usd:>10}" + (f"  {_to_fit(r.get('suggestion'))}" if misfit else "")).rstrip())
+        notes = sorted({r["note"] for r in s["gpus"].values() if r.get("note")})
+        lines += [f"  hours and cost -: {n}" for n in notes]
     return "\n".join(lines)
+
+
+def _to_fit(sug: dict[str, Any] | None) -> str:
+    """The change that makes a stage fit a GPU it does not fit (trainer.gpus.suggest); "" where it fits."""
+    if sug is None:
+        return ""
+    if sug.get("batch_size_per_device"):
+        return (f"batch_size_per_device {sug['batch_size_per_device']} x grad_accumulation_steps "
+                f"{sug['grad_accumulation_steps']} ({sug['total_gib']:.1f} GiB)")
+    return f"no fit at micro-batch 1: {sug['advice']}"
 
 
 def add_parser(sub) -> None:

@@ -180,6 +180,29 @@ def _make_buckets(state: dict[str, Any]) -> None:
             client.create_bucket(Bucket=b)
 
 
+PG_USER = "pgserver"  # the system user pgserver runs Postgres as when we are root (its name, not ours to choose)
+
+
+def _announce_postgres_user(pgdata: Path) -> str:
+    """Say what pgserver does to this machine as root, before it does it: Postgres refuses to run as root, so pgserver
+    runs it as the system user `pgserver`, which it creates with `useradd` when missing, and it opens the folders
+    above the data folder and above its own binaries to other users (chmod g+rx,o+rx) so that user can reach them.
+    Returns the message."""
+    import pwd
+
+    try:
+        pwd.getpwnam(PG_USER)
+        user, level = f"as the existing system user {PG_USER!r}", logging.INFO
+    except KeyError:
+        user, level = (f"as the system user {PG_USER!r}, which pgserver now creates (useradd -s /bin/bash {PG_USER})",
+                       logging.WARNING)
+    msg = (f"running as root: Postgres refuses root, so pgserver runs it {user}; it also makes the folders above "
+           f"{pgdata} and above its own binaries readable and traversable by other users (chmod g+rx,o+rx). "
+           "Run `lmforge stack up` as an ordinary user to avoid both")
+    log.log(level, "%s", msg)
+    return msg
+
+
 def _start_postgres(dir: Path) -> dict[str, Any]:
     """PostgreSQL on a unix socket in `<dir>/postgres` (pgserver runs it as an unprivileged user when we are root);
     a database `mlflow`. Returns its record, with the SQLAlchemy URI."""
@@ -194,6 +217,7 @@ def _start_postgres(dir: Path) -> dict[str, Any]:
         link = dir / "postgres"
         if not link.is_symlink():
             link.symlink_to(pgdata)  # where it is, seen from the stack folder
+        _announce_postgres_user(pgdata)
     srv = pgserver.get_server(pgdata, cleanup_mode=None)  # returns once it accepts connections
     if "1" not in srv.psql("SELECT 1 FROM pg_database WHERE datname = 'mlflow';"):
         srv.psql("CREATE DATABASE mlflow;")

@@ -4,25 +4,77 @@ Each stage's state, message and duration come from the Prefect API's task runs; 
 flow run's own parameters (config and overrides) again, and whether it was built by this flow run or cached from
 the store's manifest (`produced_by.flow_run_id`). A rerun runs those parameters again in this process, like
 `lmforge run`: the store skips every finished stage, so only the failed stages and their dependants run.
+
+Without PREFECT_API_URL, Prefect answers from its temporary server, which it starts as a subprocess on its own
+sqlite database under PREFECT_HOME (not the project folder): tens of seconds on a busy machine. When that database
+does not exist or holds no flow run of lmforge-pipeline, `status` says so at once (exit 1) instead of starting it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
+from pathlib import Path
 from typing import Any
 
 from flows.deploy import FLOW_NAME
 from flows.flowrun import resolve_config_path
 from flows.run_cmd import cmd_run
-from lmforge.errors import ConfigError, LmforgeError
+from lmforge.errors import LmforgeError
 
 log = logging.getLogger(__name__)
 
+EXIT_NO_FLOW_RUN = 1  # `lmforge status`: no flow run to show (none at all, or not the id given)
 
-def _not_found(flow_run_id: str) -> ConfigError:
-    return ConfigError([f"flow run {flow_run_id!r}: not found in the Prefect API. Give the id of a flow run of "
-                        f"{FLOW_NAME} (`prefect flow-run ls --flow-name {FLOW_NAME}`), and point PREFECT_API_URL at "
-                        "the server that ran it"])
+
+class NoFlowRun(LmforgeError):
+    """No flow run of lmforge-pipeline to show: not a config problem, nothing to retry."""
+
+    retryable = False
+
+
+def _not_found(flow_run_id: str) -> NoFlowRun:
+    return NoFlowRun(f"flow run {flow_run_id!r}: not found in the Prefect API. Give the id of a flow run of "
+                     f"{FLOW_NAME} (`prefect flow-run ls --flow-name {FLOW_NAME}`), and point PREFECT_API_URL at the "
+                     "server that ran it")
+
+
+def _none_yet(where: str) -> NoFlowRun:
+    return NoFlowRun(f"no flow runs found: {where} has no flow run of {FLOW_NAME}. Run `lmforge run CONFIG` or "
+                     "trigger a deployment, or point PREFECT_API_URL at the server that ran one")
+
+
+def local_flow_runs() -> int | None:
+    """Without PREFECT_API_URL: how many started flow runs of lmforge-pipeline the temporary server's sqlite database
+    holds (0 when it does not exist), read directly so that nothing starts. None when that cannot be told (a server
+    is configured, another database, a schema this does not know): then ask the API."""
+    import sqlite3
+
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        return None
+    url = settings.server.database.connection_url
+    url = url.get_secret_value() if url is not None else ""
+    if not url.startswith("sqlite+aiosqlite:///") or ":memory:" in url:
+        return None
+    path = Path(url.removeprefix("sqlite+aiosqlite:///"))
+    if not path.exists():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=5)) as db:
+            return db.execute("SELECT count(*) FROM flow_run r JOIN flow f ON f.id = r.flow_id WHERE f.name = ? "
+                              "AND r.state_type != 'SCHEDULED'", (FLOW_NAME,)).fetchone()[0]
+    except sqlite3.Error:
+        return None
+
+
+def _local_database() -> str:
+    from prefect.settings import get_current_settings
+
+    return f"Prefect's local database ({get_current_settings().home}; PREFECT_API_URL is not set)"
 
 
 def read_flow_run(client, flow_run_id: str | None):
@@ -42,7 +94,7 @@ def read_flow_run(client, flow_run_id: str | None):
             raise _not_found(flow_run_id) from None
         flow = client.read_flow(fr.flow_id)
         if flow.name != FLOW_NAME:
-            raise ConfigError([f"flow run {flow_run_id}: a run of flow {flow.name!r}, not of {FLOW_NAME}"])
+            raise NoFlowRun(f"flow run {flow_run_id}: a run of flow {flow.name!r}, not of {FLOW_NAME}")
         return fr
     runs = client.read_flow_runs(
         flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
@@ -50,9 +102,17 @@ def read_flow_run(client, flow_run_id: str | None):
             type=FlowRunFilterStateType(not_any_=[StateType.SCHEDULED]))),
         sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
     if not runs:
-        raise ConfigError([f"no flow run of {FLOW_NAME} in the Prefect API at hand; run `lmforge run CONFIG` or "
-                           "trigger a deployment, or point PREFECT_API_URL at the server that ran one"])
+        from prefect.settings import PREFECT_API_URL
+
+        raise _none_yet(f"the Prefect API at {PREFECT_API_URL.value()}" if PREFECT_API_URL.value()
+                        else _local_database())
     return runs[0]
+
+
+def _check_local(flow_run_id: str | None) -> None:
+    """Fail at once, before Prefect starts its temporary server, when its database has no flow run to show."""
+    if local_flow_runs() == 0:
+        raise _not_found(flow_run_id) if flow_run_id else _none_yet(_local_database())
 
 
 def _seconds(tr) -> float | None:
@@ -80,6 +140,7 @@ def flow_run_status(flow_run_id: str | None = None) -> dict[str, Any]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    _check_local(flow_run_id)
     with get_client(sync_client=True) as client:
         fr = read_flow_run(client, flow_run_id)
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
@@ -133,7 +194,12 @@ def format_status(st: dict[str, Any]) -> str:
 
 
 def cmd_status(args) -> int:
-    st = flow_run_status(args.flow_run_id)
+    """Exit 0 with the status shown, EXIT_NO_FLOW_RUN (1) when there is no flow run to show."""
+    try:
+        st = flow_run_status(args.flow_run_id)
+    except NoFlowRun as e:
+        print(f"lmforge status: {e}", file=sys.stderr)
+        return EXIT_NO_FLOW_RUN
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 0
 
@@ -145,6 +211,7 @@ def cmd_rerun(args) -> int:
     from prefect import tags
     from prefect.client.orchestration import get_client
 
+    _check_local(args.flow_run_id)
     with get_client(sync_client=True) as client:
         fr = read_flow_run(client, args.flow_run_id)
     p = fr.parameters
@@ -159,7 +226,9 @@ def cmd_rerun(args) -> int:
 
 def add_parsers(sub) -> None:
     """`lmforge status` and `lmforge rerun`."""
-    s = sub.add_parser("status", help="each stage of a flow run: state, artifact, cached or not, duration, error")
+    s = sub.add_parser("status", help="each stage of a flow run: state, artifact, cached or not, duration, error",
+                       description="Each stage of a flow run of lmforge-pipeline, from the Prefect API. Exit 0, or 1 "
+                       "when there is no flow run to show.")
     s.add_argument("flow_run_id", nargs="?", help="flow run id (default: the latest run of lmforge-pipeline)")
     s.add_argument("--json", action="store_true", help="print it as JSON")
     s.set_defaults(fn=cmd_status)

@@ -29,18 +29,70 @@ def cmd_artifacts_ls(args: argparse.Namespace) -> int:
         m = a.manifest
         by = m.get("produced_by", {})
         print(f"{a.kind:<10} {a.id:<18} {m.get('timings', {}).get('finished_at', '?'):<21} "
-              f"{by.get('pipeline', '?') + '/' + by.get('stage', '?'):<28} {_short_summary(a.result)}")
+              f"{by.get('pipeline', '?') + '/' + by.get('stage', '?'):<28} {_short_summary(a.result, a.kind)}")
     return 0
 
 
-def _short_summary(result: dict[str, Any]) -> str:
-    parts = [f"{k}={v}" for k, v in result.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
-    return ", ".join(parts[:5])
+#: What `artifacts ls` shows of each kind's result, in this order: counts for data stages, the loss and held-out
+#: figures for training stages (eval: its gates and scores, `_eval_summary`). Another kind: its first numbers, less
+#: the run's resources (memory, threads, timings).
+SUMMARY_FIELDS = {
+    "ingest": ("data_kind", "records", "rows_read", "bad_records"),
+    "filter": ("records", "input_records", "dropped"),
+    "dedup": ("records", "input_records", "clusters", "dropped"),
+    "decontaminate": ("records", "input_records", "records_flagged", "dropped"),
+    "mix": ("data_kind", "mode", "records", "train_samples", "validation_samples"),
+    "shard": ("data_kind", "train_samples", "validation_samples", "num_shards"),
+    "tokenizer": ("vocab_size", "chars_per_token", "records"),
+    "tokenize": ("rows", "train_rows", "validation_rows", "longest_row", "dropped_no_label"),
+    "pretrain": ("steps", "train_loss_first", "train_loss_last", "validation_loss_after",
+                 "validation_perplexity_after"),
+    "sft": ("method", "steps", "train_loss_first", "train_loss_last", "eval_loss"),
+    "reward": ("method", "steps", "train_loss_last", "eval_loss", "eval_reward_accuracy"),
+    "dpo": ("method", "steps", "train_loss_last", "eval_loss", "eval_reward_accuracy"),
+    "ppo": ("method", "steps", "train_reward_last", "eval_reward_start", "eval_reward_trained"),
+    "grpo": ("algorithm", "steps", "train_reward_last", "eval_reward_start", "eval_reward_trained"),
+    "preflight": ("stage", "steps", "tokens_per_s", "peak_memory_mb", "estimate_error_pct"),
+}
+RESOURCE_FIELD = ("_mb", "_s", "_seconds", "cpu_threads", "_per_s", "deterministic")
+
+
+def _value(v: Any) -> str | None:
+    """A result value in a few characters: numbers to 4 significant digits, a {name: count} dict as its total."""
+    if isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
+        v = sum(v.values())
+    if isinstance(v, bool) or v is None or isinstance(v, (dict, list)):
+        return None
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _eval_summary(result: dict[str, Any], n: int) -> str:
+    """Gates passed, then the gated metrics' values (against their reference), else the first scores."""
+    gates = result.get("gates") or []
+    failed = result.get("gates_failed", 0)
+    parts = [f"gates {len(gates) - failed}/{len(gates)} passed" if gates else "no gates"]
+    parts += [f"{g['metric']}={_value(g['value'])} ({g.get('against')} {_value(g.get('reference'))})"
+              for g in gates if _value(g.get("value")) is not None]
+    if not gates:
+        for model, tasks in (result.get("eval") or {}).items():
+            for task, metrics in tasks.items():
+                parts += [f"{model}/{task}/{m}={_value(v)}" for m, v in metrics.items()
+                          if not m.endswith("_stderr") and _value(v) is not None]
+    return ", ".join(parts[:n])
+
+
+def _short_summary(result: dict[str, Any], kind: str | None = None, n: int = 5) -> str:
+    """The few result fields that tell what an artifact is (`SUMMARY_FIELDS`)."""
+    if kind == "eval":
+        return _eval_summary(result, n)
+    keys = SUMMARY_FIELDS.get(kind or "") or [k for k in result if not k.endswith(RESOURCE_FIELD)]
+    parts = [f"{k}={_value(result[k])}" for k in keys if k in result and _value(result[k]) is not None]
+    return ", ".join(parts[:n])
 
 
 def lineage(store: ArtifactStore, a: Artifact, depth: int = 0) -> list[str]:
     pad = "  " * depth
-    lines = [f"{pad}{a.kind}/{a.id}  {a.uri}  ({_short_summary(a.result)})"]
+    lines = [f"{pad}{a.kind}/{a.id}  {a.uri}  ({_short_summary(a.result, a.kind)})"]
     for i in a.manifest.get("inputs", []):
         if i["type"] == "dataset":
             lines.append(f"{pad}  dataset {i['name']} {i['artifact_id']} ({i['kind']})")

@@ -148,6 +148,11 @@ class PipelineConfig(BaseModel):
         "run in threads of this process. Never changes an artifact id.")
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig, description="Prometheus metrics endpoints "
                                          "and Pushgateway (off by default); never changes an artifact id.")
+    headline: list[str] = Field(default_factory=list, description="Metrics of the pipeline run shown first: logged "
+                                "on its MLflow run as `0_headline/<key>` and listed first by `lmforge compare`. Each "
+                                "is an eval metric `<model>/<task>/<metric>` (`<eval stage>/<model>/<task>/<metric>` "
+                                "with several eval stages) or another `summary/` key, e.g. `tokens_trained/sft`. "
+                                "Default: the metrics of the eval stages' gates. Never changes an artifact id.")
     datasets: dict[str, DatasetConfig] = Field(default_factory=dict, description="Named raw data sources.")
     stages: dict[str, StageConfig] = Field(description="Named stages; the DAG comes from their inputs.")
     root: Path = Field(Path("."), exclude=True, description="Project root that relative paths resolve against.")

@@ -4,13 +4,19 @@ No Prefect here: `flows/` wraps `execute_stage` in a Prefect task, and tests can
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import logging
 import os
 import platform
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterator, Mapping
 
 from lmforge import gc, interrupt, provenance
 from lmforge.datasets import DatasetInput
@@ -19,7 +25,7 @@ from lmforge.lease import Lease, LeaseLost
 from lmforge.plan import Plan, StagePlan
 from lmforge.stage import StageDef, StageRuntime, numeric_leaves
 from lmforge.store import Artifact, _now
-from lmforge.tracking import Tracker, registered_model_name
+from lmforge.tracking import Tracker, model_files, registered_model_name
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +80,17 @@ def _input_entry(ctx: RunContext, name: str) -> dict[str, Any]:
     return {"name": name, "type": "artifact", "kind": sp.kind, "artifact_id": sp.artifact_id, "uri": sp.uri}
 
 
-def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: str | None, ran: bool) -> None:
-    """A model artifact becomes a version of the registered model `<pipeline>-<stage>`, whose source is the artifact
-    in the store (the weights are not copied). Alias `@candidate` points at it when the stage made it (`ran`); a
-    cached stage sets it only where the model has none yet, so a rerun of an older config never moves it back.
-    `@champion` is moved by the flow, at the end of a run whose eval gates passed (`runview.promote_champions`)."""
-    if ctx.tracker is None or sp.port is None or sp.port.type != "model":
+def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: str | None, ran: bool,
+                    staged: Path | None = None) -> None:
+    """A model artifact becomes a version of the registered model `<pipeline>-<stage>` that holds the model only
+    (`tracking.model_files`: weights, config, tokenizer, chat template, model card; no checkpoints, no manifest): the
+    files go into the stage's MLflow run under `model/` (hard links when MLflow's artifacts are a local folder) and
+    the version is registered from `runs:/<run_id>/model`, once per artifact. `staged`: the stage's staging folder,
+    still holding the files just uploaded to an object store (no download). Alias `@candidate` points at it when the
+    stage made it (`ran`); a cached stage sets it only where the model has none yet (or where it points at an earlier
+    registration of the same artifact), so a rerun of an older config never moves it back. `@champion` is moved by
+    the flow, at the end of a run whose eval gates passed (`runview.promote_champions`)."""
+    if ctx.tracker is None or sp.port is None or sp.port.type != "model" or run_id is None:
         return
     result = artifact.result or {}
     cfg = ctx.plan.cfg
@@ -90,18 +101,49 @@ def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: 
             "lmforge.source_run_id": artifact.manifest.get("produced_by", {}).get("mlflow_run_id", "") or ""}
     description = (f"{sp.port.data_kind or 'policy'} model made by the {sp.kind} stage '{sp.name}' of pipeline "
                    f"'{cfg.name}': method {sp.settings.get('method') or sp.kind}, base {_describe_base(sp, result)}, "
-                   f"inputs {', '.join(sp.inputs) or '-'}. Each version is one artifact in the store; @candidate "
-                   "is the newest one a run made, @champion the newest one whose run passed its eval gates.")
+                   f"inputs {', '.join(sp.inputs) or '-'}. Each version is one artifact in the store, its model "
+                   "files only; @candidate is the newest one a run made, @champion the newest one whose run passed "
+                   "its eval gates.")
+    files = model_files(list(artifact.files))
+    # the model's bytes: a forced rerun that trained other weights under the same artifact id gets its own version
+    tags["lmforge.model_digest"] = hashlib.sha256(json.dumps(
+        [[f, artifact.files[f]["sha256"]] for f in files]).encode()).hexdigest()[:16]
+    tr = ctx.tracker
     try:
-        version = ctx.tracker.register_model(name, artifact.uri, run_id, tags, description=description)
-        if ran or ctx.tracker.alias_version(name, "candidate") is None:
-            ctx.tracker.set_alias(name, "candidate", version)
+        version = tr.model_version(name, sp.artifact_id, digest=tags["lmforge.model_digest"])
+        if version is None:
+            with _model_folder(artifact, files, staged) as folder:
+                version = tr.register_model(name, folder, files, run_id, tags, description=description)
+        else:
+            tr.ensure_registered_model(name, tags, description)
+        candidate = tr.alias_version(name, "candidate")
+        if ran or candidate is None or (candidate != version and  # this artifact, registered before as a whole
+                                        tr.version_tags(name, candidate).get("lmforge.artifact_id") == sp.artifact_id):
+            tr.set_alias(name, "candidate", version)
     except Exception as e:  # noqa: BLE001  the artifact is stored; the registry is a view of it
         log.warning("stage %s: could not register the model in MLflow: %s", sp.name, str(e).splitlines()[0])
         return
-    if run_id:
-        ctx.tracker.set_tags(run_id, {"lmforge.registered_model": f"{name}/{version}"})
+    tr.set_tags(run_id, {"lmforge.registered_model": f"{name}/{version}"})
     log.info("stage %s: registered as model %s version %s", sp.name, name, version)
+
+
+@contextlib.contextmanager
+def _model_folder(artifact: Artifact, files: list[str], staged: Path | None) -> Iterator[Path]:
+    """A local folder holding the artifact's model `files`: the local store's own folder; the staging folder of an
+    artifact just uploaded to an object store; else a temporary download, each file verified against the manifest."""
+    if artifact.store.local:
+        yield Path(artifact.path)
+        return
+    if staged is not None and all((staged / f).is_file() and (staged / f).stat().st_size == artifact.files[f]["bytes"]
+                                  for f in files):
+        yield staged
+        return
+    with tempfile.TemporaryDirectory(prefix="lmforge-register-") as tmp:
+        for rel in files:
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            with artifact.open_verified(rel) as src, open(Path(tmp) / rel, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        yield Path(tmp)
 
 
 def _describe_base(sp: StagePlan, result: dict[str, Any]) -> str:
@@ -284,13 +326,13 @@ def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
             held.check()  # fencing: a run whose lease was taken over does not publish
             artifact = store.publish(sp.kind, sp.artifact_id, out, manifest, replace=sp.forced,
                                      history_stamp=sp.extra.get("history_stamp"))
-        store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
-        monitoring.StageWatch(plan.cfg.name, name, sp.kind).result(result.metrics())
-        if tr:
-            tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
-            if failure is None:
-                _register_model(ctx, sp, artifact, run_id, ran=True)
-                tr.end_run(run_id)
+            store.set_ref(plan.cfg.name, name, sp.kind, sp.artifact_id)
+            monitoring.StageWatch(plan.cfg.name, name, sp.kind).result(result.metrics())
+            if tr:
+                tr.log_metrics(run_id, {**result.metrics(), "stage_seconds": seconds})
+                if failure is None:  # while `out` still holds what an object store was sent: no download
+                    _register_model(ctx, sp, artifact, run_id, ran=True, staged=out)
+                    tr.end_run(run_id)
         if failure is not None:
             raise failure
         log.info("stage %s: done in %.1fs -> %s", name, seconds, artifact.uri)

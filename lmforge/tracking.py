@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -115,6 +116,34 @@ def _process_tags() -> dict[str, str]:
             "lmforge.pid_started": f"{started:.3f}" if started else ""}
 
 
+MODEL_DIR = "model"  # a model version's files, in its MLflow run's artifacts
+MODEL_ONLY = "model"  # tag lmforge.contents of a version that holds the model files only
+#: The files of a model artifact that make up the model: weights (full or adapter, sharded or not, GGUF), config,
+#: tokenizer, chat template and model card (lmforge_model.json, README.md). Not: checkpoints, manifest, leases,
+#: history, or a stage's reports beside the model (ppo's heldout_generations.json).
+MODEL_FILE = re.compile(r"(config|generation_config|adapter_config|tokenizer|tokenizer_config|special_tokens_map"
+                        r"|added_tokens|vocab|preprocessor_config|lmforge_model)\.json|(model|pytorch_model"
+                        r"|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)|(model|pytorch_model)\.(safetensors|bin)"
+                        r"\.index\.json|tokenizer\.model|vocab\.txt|merges\.txt|chat_template\.(jinja|json)"
+                        r"|README\.md|[^/]+\.gguf")
+
+
+def model_files(paths: list[str]) -> list[str]:
+    """Of an artifact's files (paths relative to it), those of the model (`MODEL_FILE`, top level only), sorted."""
+    return sorted(p for p in paths if MODEL_FILE.fullmatch(p))
+
+
+def _local_folder(uri: str) -> Path | None:
+    """The local folder of a `file:` (or plain path) artifact URI; None for anything remote."""
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
+    parts = urlparse(uri)
+    if parts.scheme == "file":
+        return Path(url2pathname(parts.path))
+    return Path(uri) if parts.scheme == "" else None
+
+
 def registered_model_name(pipeline: str, stage: str) -> str:
     """One registered model per trained stage: `<pipeline>-<stage>` (`models:/demo-sft@champion`)."""
     return f"{pipeline}-{stage}"
@@ -214,16 +243,12 @@ class Tracker:
         with self.lock:
             self.client.log_artifact(run_id, local_path, artifact_dir)
 
-    def register_model(self, name: str, source: str, run_id: str | None, tags: dict[str, Any],
-                       description: str = "") -> str:
-        """A version of registered model `name` for the artifact at `source` (once: a version with the same
-        lmforge.artifact_id and source is reused), with `tags`. The model's description is kept up to date.
-        Returns the version; aliases are the caller's (`set_alias`)."""
+    def ensure_registered_model(self, name: str, tags: dict[str, Any], description: str = "") -> None:
+        """Registered model `name` exists, tagged with its pipeline and stage, with `description` up to date."""
         from mlflow.exceptions import MlflowException
 
         with self.lock:
-            tags = {k: redact(str(v))[:MAX_PARAM] for k, v in tags.items()}
-            model_tags = {k: tags[k] for k in ("lmforge.pipeline", "lmforge.stage") if k in tags}
+            model_tags = {k: redact(str(tags[k])) for k in ("lmforge.pipeline", "lmforge.stage") if k in tags}
             try:
                 self.client.create_registered_model(name, tags=model_tags, description=description)
             except MlflowException as e:
@@ -231,14 +256,52 @@ class Tracker:
                     raise
                 if self.client.get_registered_model(name).description != description:
                     self.client.update_registered_model(name, description=description)
-            version = self.model_version(name, tags.get("lmforge.artifact_id", ""), source)
+
+    def register_model(self, name: str, folder: Path, files: list[str], run_id: str, tags: dict[str, Any],
+                       description: str = "") -> str:
+        """A version of registered model `name` holding the model `files` of `folder` (paths relative to it), once
+        per artifact and model: a model-only version with the same lmforge.artifact_id and lmforge.model_digest is
+        reused. The files go into run `run_id`'s artifacts under `model/` (`log_model_files`) and the version's
+        source is `runs:/<run_id>/model`, so `models:/<name>@<alias>` downloads the model and nothing else. Returns
+        the version; aliases are the caller's (`set_alias`)."""
+        with self.lock:
+            tags = {**{k: redact(str(v))[:MAX_PARAM] for k, v in tags.items()}, "lmforge.contents": MODEL_ONLY}
+            self.ensure_registered_model(name, tags, description)
+            version = self.model_version(name, tags.get("lmforge.artifact_id", ""),
+                                         digest=tags.get("lmforge.model_digest"))
             if version is None:
+                source = self.log_model_files(run_id, folder, files)
                 version = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags,
                                                            description=description).version
             return str(version)
 
-    def model_version(self, name: str, artifact_id: str, source: str | None = None) -> str | None:
-        """The version of registered model `name` made from artifact `artifact_id` (at `source`), if any."""
+    def log_model_files(self, run_id: str, folder: Path, files: list[str]) -> str:
+        """Put `files` (relative to `folder`) under `model/` in run `run_id`'s artifacts; returns
+        `runs:/<run_id>/model`. A run whose artifacts are a local folder (the sqlite store's `mlartifacts/`) gets
+        hard links where the file system allows, so the weights are not stored twice; otherwise (an MLflow
+        server, object storage) MLflow uploads them."""
+        with self.lock:
+            dest = _local_folder(self.client.get_run(run_id).info.artifact_uri)
+            for rel in files:
+                if dest is not None:
+                    target = dest / MODEL_DIR / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+                    tmp.unlink(missing_ok=True)
+                    try:
+                        os.link(folder / rel, tmp)
+                    except OSError:  # another file system, or one without hard links: a copy
+                        shutil.copyfile(folder / rel, tmp)
+                    os.replace(tmp, target)
+                else:
+                    sub = "/".join([MODEL_DIR, *rel.split("/")[:-1]])
+                    self.client.log_artifact(run_id, str(folder / rel), sub)
+            return f"runs:/{run_id}/{MODEL_DIR}"
+
+    def model_version(self, name: str, artifact_id: str, digest: str | None = None) -> str | None:
+        """The version of registered model `name` made from artifact `artifact_id`, if any: the newest, a
+        model-only one first (versions registered before lmforge.contents existed point at the whole artifact
+        folder). With `digest`, only a model-only version of those very model files (`lmforge.model_digest`)."""
         from mlflow.exceptions import MlflowException
 
         with self.lock:
@@ -246,9 +309,15 @@ class Tracker:
                 versions = self.client.search_model_versions(f"name='{name}'")
             except MlflowException:
                 return None
-            found = [v for v in versions if v.tags.get("lmforge.artifact_id") == artifact_id
-                     and (source is None or v.source == source)]
-            return str(found[0].version) if found else None
+            found = sorted((v.tags.get("lmforge.contents") == MODEL_ONLY, int(v.version)) for v in versions
+                           if v.tags.get("lmforge.artifact_id") == artifact_id
+                           and (digest is None or (v.tags.get("lmforge.contents") == MODEL_ONLY
+                                                   and v.tags.get("lmforge.model_digest") == digest)))
+            return str(found[-1][1]) if found else None
+
+    def version_tags(self, name: str, version: str) -> dict[str, str]:
+        with self.lock:
+            return dict(self.client.get_model_version(name, str(version)).tags)
 
     def alias_version(self, name: str, alias: str) -> str | None:
         from mlflow.exceptions import MlflowException

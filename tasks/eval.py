@@ -40,7 +40,7 @@ from lmforge.stage import Input, Result, StageDef, StageRuntime
 from tasks.evaluation.config import EvalConfig
 from tasks.evaluation.data import read_conversations, read_pairs, read_texts
 from tasks.evaluation.engine import format_prompt, free_lm, generate, load_lm
-from tasks.evaluation.gates import check_expectations, check_gates
+from tasks.evaluation.gates import check_expectations, check_gates, metric_directions
 from tasks.evaluation.lmeval_tasks import SHIPPED_TASKS, check_tasks, prepare_task_dirs, task_manager
 from tasks.evaluation.models import resolve_models
 from tasks.evaluation.reports import write_reports
@@ -106,6 +106,9 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
         score_preference(c, pref, scored_pairs, len(pairs))
         score_reward_models(c, cfg, by_input, pairs, where)
 
+    c.higher_is_better = metric_directions(c.scores, c.higher_is_better)  # every metric's, lmforge's own too
+    for t in c.tasks.values():  # the result carries them: the pipeline run's summary and `compare` read them
+        t["higher_is_better"] = c.higher_is_better.get(t["task"], {})
     gates = check_gates(cfg.gates, c.scores, c.higher_is_better)
     failed = [g["message"] for g in gates if not g["passed"]]
     for g in gates:

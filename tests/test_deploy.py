@@ -105,6 +105,15 @@ def test_resolve_config_path_against_project_root(tmp_path, monkeypatch):
     assert resolve_config_path("/abs/x.yaml") == "/abs/x.yaml"
 
 
+def test_prefect_yaml_names_the_worker_with_an_exit_status():
+    """prefect.yaml, `lmforge deploy` and the README start the same worker: `lmforge worker` (Prefect's process worker,
+    whose --run-once exits non-zero when a flow run failed, unlike `prefect worker start --run-once`)."""
+    text = (PROJECT_ROOT / "prefect.yaml").read_text()
+    assert re.search(r"^#\s+lmforge worker --pool lmforge\s", text, re.M)
+    assert not re.search(r"^#\s+prefect worker start", text, re.M)
+    assert "lmforge worker --pool lmforge" in (PROJECT_ROOT / "docs" / "operations.md").read_text()
+
+
 def test_deploy_registers_manual_and_nightly(deployed):
     url = deployed["url"]
     assert api(url, f"/work_pools/{POOL}")["type"] == "process"  # created by lmforge deploy
@@ -117,7 +126,7 @@ def test_deploy_registers_manual_and_nightly(deployed):
         assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
         assert d["parameters"] == {"config_path": str(deployed["cfg"]), "overrides": [], "force": []}
         assert d["work_pool_name"] == POOL and d["entrypoint"] == "flows/pipeline.py:pipeline"
-    assert f"prefect worker start --pool {POOL}" in deployed["deploy_out"]
+    assert f"\n  lmforge worker --pool {POOL}\n" in deployed["deploy_out"]  # the worker with an exit status
     assert "prefect deployment run lmforge-pipeline/t" in deployed["deploy_out"]
 
 

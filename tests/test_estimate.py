@@ -274,6 +274,27 @@ def test_cli_7b_llama_needs_a_smaller_micro_batch_on_a_24gb_card():
     assert pre["alternatives_that_fit_at_micro_batch_1"] == [] and "use a larger GPU" in pre["advice"]
 
 
+def test_table_has_a_to_fit_column_only_where_a_gpu_does_not_fit(capsys):
+    """The demo fits every GPU: no column of empty cells. A 7B dpo that does not fit an RTX 4090: the column, with
+    the micro-batch that fits, and empty where it fits."""
+    from flows.cli import main
+
+    assert main(["estimate", str(REPO / "configs" / "demo.yaml")]) == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.lstrip().startswith("GPU ")]
+    assert len(headers) == len(TRAINED) and all(h.rstrip().endswith("cost $") for h in headers), headers
+    assert "suggestion" not in out and "to fit" not in out
+    assert main(["estimate", str(REPO / "configs" / "demo.yaml"), "-o", f"stages.sft.base_model.config={LLAMA_7B}",
+                 "-o", "stages.dpo.method=qlora", "-o", "stages.dpo.dtype=bfloat16", "-o",
+                 "stages.dpo.max_length_tokens=512", "-o", "stages.dpo.grad_accumulation_steps=2",
+                 "--gpu", "RTX 4090", "--gpu", "H200"]) == 0
+    dpo = capsys.readouterr().out.split("\ndpo (dpo, qlora)")[1].split("\n\n")[0].splitlines()
+    assert dpo[2].rstrip().endswith("cost $  to fit on this GPU")
+    assert dpo[3].startswith("  RTX 4090    NO") and dpo[3].endswith(
+        "batch_size_per_device 2 x grad_accumulation_steps 16 (" + dpo[3].rsplit("(", 1)[1])
+    assert dpo[4].startswith("  H200        yes") and dpo[4].split()[-1].replace(".", "").isdigit()  # fits: no text
+
+
 def test_hub_model_without_cached_config_names_the_field(capsys):
     from flows.cli import main
 

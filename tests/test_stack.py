@@ -4,6 +4,7 @@ the environment (`lmforge stack env`) changed and `store: s3://lmforge/...`, and
 from the servers' own APIs."""
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import random
@@ -45,6 +46,33 @@ def _post(url: str, body: dict) -> dict:
         return json.load(r)
 
 
+def _pg_user_exists() -> bool:
+    import pwd
+
+    try:
+        return bool(pwd.getpwnam("pgserver"))
+    except KeyError:
+        return False
+
+
+def test_root_is_told_about_the_pgserver_system_user(caplog, tmp_path):
+    """As root, `stack up` says before Postgres starts that pgserver runs it as the system user `pgserver` (creating
+    it when missing) and opens the folders above its data and binaries to other users."""
+    import logging
+
+    from flows import stack as stack_mod
+
+    caplog.set_level(logging.INFO, logger="flows.stack")
+    existed = _pg_user_exists()
+    msg = stack_mod._announce_postgres_user(tmp_path / "pg")
+    assert [r.getMessage() for r in caplog.records] == [msg]
+    assert caplog.records[0].levelno == (logging.INFO if existed else logging.WARNING)
+    assert ("as the existing system user 'pgserver'" if existed else "which pgserver now creates (useradd") in msg
+    assert f"the folders above {tmp_path / 'pg'}" in msg and "chmod g+rx,o+rx" in msg
+    assert _pg_user_exists() == existed  # it only says so: pgserver, not this, creates the user
+
+
+@pytest.mark.slow  # minutes: five servers; the stack's pieces (S3, MLflow, Prefect server) run in the default suite one by one
 def test_stack_up_run_against_it_and_down(tmp_path):
     stack = tmp_path / "stack"
     ports = {"s3": _free_port(), "mlflow": _free_port(), "prefect": _free_port()}
@@ -55,6 +83,8 @@ def test_stack_up_run_against_it_and_down(tmp_path):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "stack up in" in up.stdout
+        assert (f"pgserver runs it as the {'existing ' if _pg_user_exists() else ''}system user 'pgserver'"
+                in up.stderr) == (os.geteuid() == 0), up.stderr  # root is told about the user Postgres runs as
         print(up.stdout.splitlines()[0])  # the start-up time, for the notes
         assert [s["name"] for s in state["servers"]] == ["s3", "prefect", "postgres", "mlflow", "worker"]
         status = _lmforge("stack", "status", "--dir", str(stack), cwd=tmp_path)

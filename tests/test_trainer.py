@@ -349,10 +349,11 @@ def test_training_metrics_land_on_the_stages_mlflow_run(root, kinds_module):
     assert table["after"] == generations.generate(model, tok, prompts, 6)
     md = client.download_artifacts(run_id, "generations/control.md", str(root / "gen-md"))
     assert "| What is 2 plus 3? |" in Path(md).read_text()
-    # the model registry: model <pipeline>-<stage>, a version per artifact (source = the artifact), @candidate
+    # the model registry: model <pipeline>-<stage>, a version per artifact (its model files, logged to the stage's
+    # run under model/), @candidate
     art = artifact(plan, "tracked")
     version = client.get_model_version_by_alias("train-tracked", "candidate")
-    assert version.source == art.uri and version.run_id == run_id
+    assert version.source == f"runs:/{run_id}/model" and version.run_id == run_id
     assert run.data.tags["lmforge.registered_model"] == f"train-tracked/{version.version}"
     tags = version.tags
     assert (tags["lmforge.stage"], tags["lmforge.pipeline"], tags["lmforge.artifact_id"]) == ("tracked", "train", art.id)

@@ -10,7 +10,10 @@ from typing import Any
 
 from tasks.evaluation.config import Expectation, Gate
 
-# direction of lmforge's own metrics; lm-eval's come with its results
+#: direction (True: higher is better) of every metric lmforge's own measurements make (scoring.py: perplexity,
+#: chat_loss, preference, reward models); lm-eval's come with its results. The one declaration the gates, the
+#: reports and, through the result's `tasks[].higher_is_better`, the pipeline run's summary and `lmforge compare`
+#: read.
 HIGHER_IS_BETTER = {"token_perplexity": False, "bits_per_byte": False, "accuracy": True, "reward_margin": True,
                     "assistant_nll": False, "assistant_perplexity": False, "loglik_accuracy": True,
                     "loglik_margin": True}
@@ -21,6 +24,20 @@ def direction(task: str, metric: str, lm_eval_dirs: dict[str, dict[str, bool]]) 
     if metric in lm_eval_dirs.get(task, {}):
         return lm_eval_dirs[task][metric]
     return HIGHER_IS_BETTER.get(metric)
+
+
+def metric_directions(scores: dict[str, dict[str, dict[str, float]]],
+                      lm_eval_dirs: dict[str, dict[str, bool]]) -> dict[str, dict[str, bool]]:
+    """task -> metric -> higher is better, for every measured metric whose direction is known (stderrs left out):
+    lm-eval's where it gave one, else HIGHER_IS_BETTER."""
+    out: dict[str, dict[str, bool]] = {t: dict(d) for t, d in lm_eval_dirs.items()}
+    for per_task in scores.values():
+        for task, metrics in per_task.items():
+            for m in metrics:
+                d = None if m.endswith("_stderr") else direction(task, m, lm_eval_dirs)
+                if d is not None:
+                    out.setdefault(task, {})[m] = d
+    return out
 
 
 def check_gates(gates: list[Gate], scores: dict[str, dict[str, dict[str, float]]],

@@ -1,0 +1,103 @@
+"""Registered model versions hold the model only: `models:/<pipeline>-<stage>@champion` downloads the final weights,
+config, tokenizer, chat template and model card, never the stage's checkpoints or manifest, and the download loads
+with transformers. On a local store with a local MLflow artifact folder the weights are hard links, not a second copy;
+on S3 the version is made from the upload's staging folder, or, for an artifact that has no such version yet (a
+cached stage in a new tracking store), from a verified download."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow.artifacts import download_artifacts
+from mlflow.tracking import MlflowClient
+
+from lmforge.runview import promote_champions
+from lmforge.tracking import Tracker
+from tests.helpers import TRAIN_DATA, artifact, chat_rows, run_config, run_stages, sft, train_pipeline, \
+    write_jsonl, write_task_dir
+
+#: a full sft model: weights, config, tokenizer, chat template, model card
+MODEL = ["chat_template.jinja", "config.json", "generation_config.json", "lmforge_model.json", "model.safetensors",
+         "tokenizer.json", "tokenizer_config.json"]
+SFT = sft(method="full", max_steps=4, evaluate=False, checkpoint_every_steps=2)
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def _download(uri: str, tracking: str, dest: Path, monkeypatch) -> Path:
+    """As a user downloads a registered model: MLflow resolves `models:/` against the registry of the environment
+    (MLFLOW_TRACKING_URI; its registry_uri argument does not reach that lookup in MLflow 3.17)."""
+    with monkeypatch.context() as m:  # only for the download: a Tracker made later would take its registry too
+        m.setenv("MLFLOW_TRACKING_URI", tracking)
+        m.setenv("MLFLOW_REGISTRY_URI", tracking)
+        return Path(download_artifacts(artifact_uri=uri, dst_path=str(dest)))
+
+
+def _loads(folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = torch.tensor([tok(text)["input_ids"]])
+    assert model.config.hidden_size == 64
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] > ids.shape[1]
+
+
+def test_champion_download_is_the_model_only_and_loads(tmp_path, kinds, monkeypatch):
+    write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
+    stages = {"sft": SFT,
+              "eval": {"kind": "eval", "inputs": ["sft"], "retries": 0, "models": [{"name": "sft", "input": "sft"}],
+                       "tasks": ["t_mc"], "task_dirs": [str(write_task_dir(tmp_path / "tasks"))],
+                       "gates": [{"metric": "sft/t_mc/acc", "against": "sft", "max_regression": 0.0}]}}
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(tracking, "train")
+    plan, out = run_stages(tmp_path, kinds, stages, TRAIN_DATA + ["sft", "eval"], tracker)
+    assert promote_champions(tracker, plan, out) == {"train-sft": "1"}
+    art = artifact(plan, "sft")
+    store_files = _files(Path(art.path))
+    assert any(f.startswith("_checkpoints/checkpoint-") for f in store_files) and "manifest.json" in store_files
+
+    client = MlflowClient(tracking)
+    version = client.get_model_version_by_alias("train-sft", "champion")
+    run_id = out["sft"]["mlflow_run_id"]
+    assert (version.source, version.run_id) == (f"runs:/{run_id}/model", run_id)
+    assert version.tags["lmforge.artifact_id"] == art.id and version.tags["lmforge.contents"] == "model"
+    dl = _download("models:/train-sft@champion", tracking, tmp_path / "dl", monkeypatch)
+    assert _files(dl) == MODEL  # no _checkpoints/, no manifest.json
+    art.verify_local(dl)  # the same bytes as the artifact's files
+    _loads(dl)
+    # the run's copy is hard links to the store's files: the weights are on disk once
+    run_dir = Path(client.get_run(run_id).info.artifact_uri.removeprefix("file://")) / "model"
+    assert os.path.samefile(run_dir / "model.safetensors", Path(art.path) / "model.safetensors")
+
+    # a cached rerun reuses the version: no new one, no second upload
+    plan2, out2 = run_stages(tmp_path, kinds, stages, TRAIN_DATA + ["sft", "eval"], tracker)
+    assert out2["sft"]["status"] == "cached"
+    assert [str(v.version) for v in client.search_model_versions("name='train-sft'")] == ["1"]
+    assert "model" not in [f.path for f in client.list_artifacts(out2["sft"]["mlflow_run_id"])]
+
+
+@pytest.mark.s3
+def test_s3_store_registers_the_model_only(s3, tmp_path, kinds, monkeypatch):
+    write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
+    raw = train_pipeline(tmp_path, {"sft": SFT})
+    raw["store"] = f"s3://lmforge-test/registry-{uuid.uuid4().hex[:8]}"
+    names = TRAIN_DATA + ["sft"]
+    for db, status in (("made.db", "ran"), ("later.db", "cached")):  # later: a new tracking store, the stage cached
+        tracking = f"sqlite:///{tmp_path / db}"
+        plan, out = run_config(raw, kinds, tmp_path, names, Tracker(tracking, "train"))
+        assert out["sft"]["status"] == status
+        version = MlflowClient(tracking).get_model_version_by_alias("train-sft", "candidate")
+        assert version.source == f"runs:/{out['sft']['mlflow_run_id']}/model"
+        dl = _download("models:/train-sft@candidate", tracking, tmp_path / f"dl-{status}", monkeypatch)
+        assert _files(dl) == MODEL
+        artifact(plan, "sft").verify_local(dl)
+    assert plan.store.fs.find(plan.store.checkpoint_path("sft", plan.stages["sft"].artifact_id))  # in the store only
+    _loads(dl)
