@@ -323,7 +323,9 @@ def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds
     assert [t for t in r.tasks if t["task"] == "preference"] == [
         {"task": "preference", "kind": "preference", "input": "ingest", "split": "validation", "reference": "base",
          "beta": 0.1, "pairs": 4, "implicit_dpo": ["seven", "five"], "reward_models": [],
-         "loglik": ["base", "five", "seven"]}]
+         "loglik": ["base", "five", "seven"],
+         "higher_is_better": {"accuracy": True, "reward_margin": True, "loglik_accuracy": True,
+                              "loglik_margin": True}}]  # every metric it reports has a direction
 
 
 def test_loglik_accuracy_is_length_normalised():
