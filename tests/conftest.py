@@ -83,10 +83,21 @@ def s3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def short_demo_run(tmp_path_factory):
+    """One fresh, uninterrupted `lmforge run` of the short demo (tests/short_demo.py): (folder, summary). The fault
+    suite's reference: its killed-and-rerun demo must end with this run's weights, from another store."""
+    from tests import short_demo
+
+    d = tmp_path_factory.mktemp("short-demo-ref") / "run"
+    p = short_demo.start(d)
+    assert p.wait(timeout=1200) == 0, (d / "log.txt").read_text()[-4000:]
+    return d, short_demo.summary(d)
+
+
+@pytest.fixture(scope="session")
 def short_demo_runs(tmp_path_factory):
     """Two fresh, uninterrupted `lmforge run` of the short demo (tests/short_demo.py) at the same time, into two
-    stores, with OMP_NUM_THREADS 1 and 2 exported: [(folder, summary)]. Shared by the determinism test and the fault
-    suite (whose reference is the first)."""
+    stores, with OMP_NUM_THREADS 1 and 2 exported: [(folder, summary)], for the (slow) determinism test."""
     from tests import short_demo
 
     base = tmp_path_factory.mktemp("short-demo")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import REPO
+from tests.helpers import REPO, mlflow_db, prefect_home
 
 TRAINED = ("tokenizer", "pretrain", "sft", "reward", "dpo", "ppo")
 SHORT = {"pretrain": {"max_steps": 30, "checkpoint_every_steps": 10},
@@ -26,7 +26,7 @@ def write(dir: Path) -> Path:
         d["path"] = [str(REPO / p) for p in d["path"]] if isinstance(d["path"], list) else str(REPO / d["path"])
     for name, over in SHORT.items():
         cfg["stages"][name].update(over)
-    cfg["store"], cfg["tracking"] = str(dir / "artifacts"), f"sqlite:///{dir / 'mlflow.db'}"
+    cfg["store"], cfg["tracking"] = str(dir / "artifacts"), mlflow_db(dir / "mlflow.db")
     path = dir / "demo.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -36,7 +36,7 @@ def start(dir: Path, threads: str = "1", *extra: str) -> subprocess.Popen:
     """`lmforge run` of the short demo in `dir`, in its own process group (so a test can kill the whole group)."""
     dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONPATH": str(REPO),
-           "PREFECT_HOME": str(dir / "prefect")}
+           "PREFECT_HOME": prefect_home(dir / "prefect")}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(write(dir)), "--json", str(dir / "summary.json"), *extra]
     return subprocess.Popen(cmd, cwd=dir, env=env, stdout=open(dir / "log.txt", "a"), stderr=subprocess.STDOUT,
                             start_new_session=True)

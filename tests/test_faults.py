@@ -66,8 +66,8 @@ def _killpg(proc: subprocess.Popen) -> list[psutil.Process]:
     return family
 
 
-def test_kill_9_at_points_over_the_demo_then_rerun_equals_an_uninterrupted_run(short_demo_runs, tmp_path):
-    (ref_dir, ref), _ = short_demo_runs
+def test_kill_9_at_points_over_the_demo_then_rerun_equals_an_uninterrupted_run(short_demo_run, tmp_path):
+    ref_dir, ref = short_demo_run
     work = Path(os.environ["LMFORGE_WORK_DIR"])
     d = tmp_path / "faulty"
     store = d / "artifacts"

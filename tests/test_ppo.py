@@ -311,6 +311,8 @@ def test_ppo_qlora_on_a_4bit_base(root, kinds_module):
     assert r["eval_reward_trained"] > r["eval_reward_start"], r
 
 
+# slow (35 s on 2 cores): DDP resume is tests/test_distributed.py's sigkill test, ppo's resume the SIGTERM test below
+@pytest.mark.slow
 def test_ppo_lora_on_two_ddp_processes_resumes_exactly(root, kinds_module):
     """torchrun, 2 CPU processes (gloo): each samples its slice of every update's prompts; TRL would reach the
     adapter-disabled reference through the DDP wrapper, so it gets a frozen copy. Unpublished, the stage resumes

@@ -267,6 +267,9 @@ def test_sigterm_checkpoints_at_the_end_of_the_step_and_stops(root, kinds_module
     assert plan.store.get("sft", plan.stages["preempt"].artifact_id) is None
 
 
+# slow (34 s): the default suite's tests/test_faults.py kills `lmforge run` with -9 after pretrain's checkpoint and
+# its rerun ends with an uninterrupted run's weights, bit for bit; test_align and test_grpo do it per stage
+@pytest.mark.slow
 def test_sigkill_then_rerun_resumes_and_ends_with_the_same_weights_as_an_uninterrupted_run(root, kinds_module,
                                                                                           tmp_path):
     """SIGKILL to the training process after its first uploaded checkpoint: the stage fails with a clear error,
@@ -397,6 +400,8 @@ def test_qlora_trains_on_a_4bit_base_on_cpu(root, kinds_module):
 # launch: torchrun DDP, other optimizers, packing, a failing training process
 
 
+# slow (17 s): tests/test_distributed.py trains, kills and resumes the same two-process torchrun/gloo sft
+@pytest.mark.slow
 def test_torchrun_ddp_on_cpu_with_gloo(root, kinds_module):
     stage = sft(method="full", max_steps=6, launcher="torchrun", nproc_per_node=2, batch_size_per_device=4,
                 checkpoint_every_steps=3, evaluate=False)
