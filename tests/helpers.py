@@ -47,6 +47,52 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
     return path
 
 
+# Empty databases, made once per test session and copied where a test starts from nothing: a new MLflow sqlite
+# database spends about 2 s in its migrations and a new Prefect home about 8 s, times dozens of tests. The user's
+# first run makes its own (the demo test does too), so that path stays covered.
+_TEMPLATES: dict[str, Path] = {}
+
+
+def _template(what: str) -> Path:
+    if what not in _TEMPLATES:
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix=f"lmforge-template-{what}-"))
+        if what == "mlflow":
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
+            _TEMPLATES[what] = folder / "mlflow.db"
+        else:
+            code = ("import asyncio\nfrom prefect.server.database import provide_database_interface\n"
+                    "asyncio.run(provide_database_interface().create_db())")
+            subprocess.run([sys.executable, "-c", code], env={**os.environ, "PREFECT_HOME": str(folder)},
+                           check=True, capture_output=True, timeout=600)
+            assert (folder / "prefect.db").is_file(), sorted(folder.iterdir())
+            _TEMPLATES[what] = folder / "prefect.db"
+    return _TEMPLATES[what]
+
+
+def mlflow_db(path: Path) -> str:
+    """The sqlite URI of the MLflow database `path`, a copy of the session's empty one when it does not exist yet."""
+    import shutil
+
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_template("mlflow"), path)
+    return f"sqlite:///{path}"
+
+
+def prefect_home(path: Path) -> str:
+    """`path` as a PREFECT_HOME whose API database is a copy of the session's empty one (when it has none yet)."""
+    import shutil
+
+    if not (path / "prefect.db").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_template("prefect"), path / "prefect.db")
+    return str(path)
+
+
 def write_config(dir: Path, cfg: dict[str, Any], name: str = "pipeline.yaml") -> Path:
     path = dir / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -65,7 +111,7 @@ def pipeline_config(name: str, root: Path, datasets: dict[str, str], stages: dic
     return {
         "name": name,
         "store": store or str(root / "artifacts"),
-        "tracking": f"sqlite:///{root / 'mlflow.db'}",
+        "tracking": mlflow_db(root / "mlflow.db"),
         "datasets": {d: {"path": f"data/{d}.jsonl", "kind": kind} for d, kind in datasets.items()},
         "stages": stages,
     }
@@ -439,7 +485,7 @@ def start_cli(cfg: Path, log: Path, *extra: str) -> subprocess.Popen:
                             stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_training_run(tmp_path: Path, max_steps: int = 400) -> tuple[subprocess.Popen, list[psutil.Process]]:
+def start_training_run(tmp_path: Path, max_steps: int = 150) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """`lmforge run` of a tiny sft stage (`max_steps` steps, a checkpoint every 5, retries 1) in `tmp_path`, returned
     once its first checkpoint is uploaded, with the processes it runs then (a training child among them). The stop
     request must come before the training ends."""
@@ -463,7 +509,7 @@ def start_training_run(tmp_path: Path, max_steps: int = 400) -> tuple[subprocess
 
 
 def assert_stopped_then_resumed(tmp_path: Path, proc: subprocess.Popen, family: list[psutil.Process],
-                                cause: str, max_steps: int = 400) -> str:
+                                cause: str, max_steps: int = 150) -> str:
     """After a stop request (`cause`: SIGTERM, SIGINT, a cancellation through Prefect) to the run that
     `start_training_run` started: it exits 3 leaving no process behind, nothing retried or published, the MLflow
     parent KILLED; then the same command resumes from the checkpoint and finishes. Returns the stopped run's log."""

@@ -11,7 +11,7 @@ from flows.pipeline import pipeline
 from lmforge.config import load_config
 from lmforge.errors import StageFailed
 from lmforge.plan import make_plan
-from tests.helpers import basic_config, write_config
+from tests.helpers import basic_config, prefect_home, write_config
 
 STAGES = ["ingest", "shard", "ingest_pairs", "shard_pairs"]
 
@@ -174,7 +174,7 @@ def test_prefect_flow_run_retry_redoes_only_the_failed_stages(tmp_path):
     pairs = tmp_path / "data/pairs.jsonl"
     good = pairs.read_text()
     pairs.write_text('{"prompt": 1}\n')
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}  # own API db, own server
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}  # own API db, own server
     first = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg)], cwd=REPO, env=env,
                            capture_output=True, text=True)
     assert first.returncode == 2  # bad data inside a stage: bad input

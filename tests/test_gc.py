@@ -1,6 +1,6 @@
 """Garbage: `lmforge gc` and the leftovers a rerun removes.
 
-`lmforge gc` is run as the user runs it, on a store that a real `lmforge run` filled: it removes the checkpoints of
+`lmforge gc` is run as the user runs it, on a store that real pipeline runs filled: it removes the checkpoints of
 finished artifacts (keep policy), orphaned staging folders of dead processes (never a live run's), and with
 `--unreferenced` artifacts no pipeline ref reaches; `--dry-run` removes nothing and reports the same bytes.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.pipeline import pipeline
 from lmforge import gc, owner
 from lmforge.store import ArtifactStore
 from tests.helpers import REPO, chat_rows, sft, train_pipeline, write_jsonl
@@ -50,10 +51,9 @@ def test_gc_removes_checkpoints_leftovers_and_unreferenced_artifacts_and_reports
     stages = {"sft": sft(method="full", max_steps=12, checkpoint_every_steps=3, keep_checkpoints=3, evaluate=False)}
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text(yaml.safe_dump(train_pipeline(tmp_path, stages), sort_keys=False))
-    run = _lmforge("run", str(cfg), "--json", str(tmp_path / "s1.json"), cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # the runs go through the pipeline flow in this process (the CLI's start-up is tested elsewhere); gc is the CLI
+    sft_id = pipeline(config_path=str(cfg))["stages"]["sft"]["artifact_id"]
     store = ArtifactStore(str(tmp_path / "artifacts"))
-    sft_id = json.loads((tmp_path / "s1.json").read_text())["stages"]["sft"]["artifact_id"]
     ckpts = tmp_path / "artifacts" / "sft" / sft_id / "_checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
 
@@ -89,10 +89,7 @@ def test_gc_removes_checkpoints_leftovers_and_unreferenced_artifacts_and_reports
     assert plan.returncode == 0 and plan.stdout.count("(cached: manifest exists)") == 4, plan.stdout
 
     # a config change makes a new sft artifact: the old one is no longer referenced; its inputs still are
-    rerun = _lmforge("run", str(cfg), "-o", "stages.sft.learning_rate=0.002", "--json", str(tmp_path / "s2.json"),
-                     cwd=tmp_path)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    new_id = json.loads((tmp_path / "s2.json").read_text())["stages"]["sft"]["artifact_id"]
+    new_id = pipeline(config_path=str(cfg), overrides=["stages.sft.learning_rate=0.002"])["stages"]["sft"]["artifact_id"]
     assert new_id != sft_id
     old = tmp_path / "artifacts" / "sft" / sft_id
     old_bytes = _du(old)

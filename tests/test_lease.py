@@ -18,7 +18,7 @@ import yaml
 
 from lmforge.lease import Lease, LeaseLost
 from lmforge.store import ArtifactStore
-from tests.helpers import REPO, chat_rows, sft, train_pipeline, write_jsonl
+from tests.helpers import REPO, chat_rows, prefect_home, sft, train_pipeline, write_jsonl
 
 
 def _exclusive_then_handover(store: ArtifactStore) -> None:
@@ -83,7 +83,7 @@ def test_two_concurrent_runs_execute_each_stage_exactly_once(tmp_path):
     cfg.write_text(yaml.safe_dump(train_pipeline(tmp_path, stages), sort_keys=False))
     procs = []
     for i in range(2):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / f"prefect{i}"),
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": prefect_home(tmp_path / f"prefect{i}"),
                "LMFORGE_LEASE_POLL_SECONDS": "0.2"}
         log = open(tmp_path / f"run{i}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg)], cwd=tmp_path, env=env,
