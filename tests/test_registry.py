@@ -101,3 +101,52 @@ def test_s3_store_registers_the_model_only(s3, tmp_path, kinds, monkeypatch):
         artifact(plan, "sft").verify_local(dl)
     assert plan.store.fs.find(plan.store.checkpoint_path("sft", plan.stages["sft"].artifact_id))  # in the store only
     _loads(dl)
+
+
+# slow (three sft runs): the default test covers the model-only version and its
+# reuse by a cached rerun; this one covers `--force`, which replaces an artifact under the same id
+@pytest.mark.slow
+def test_a_forced_rerun_keeps_the_version_of_identical_weights_and_adds_one_for_new_weights(tmp_path, kinds,
+                                                                                          monkeypatch):
+    from lmforge.config import parse_config
+    from lmforge.executor import RunContext, execute_stage
+    from lmforge.plan import make_plan
+
+    write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(tracking, "train")
+    client = MlflowClient(tracking)
+
+    def run(stage: dict, force: list[str]):
+        plan = make_plan(parse_config(train_pipeline(tmp_path, {"sft": stage}), kinds, root=tmp_path), kinds,
+                         force=force)
+        ctx = RunContext(plan=plan, kinds=kinds, tracker=tracker)
+        ctx.parent_run_id = tracker.start_run("pipeline", {})
+        return plan, {n: execute_stage(ctx, n) for n in TRAIN_DATA + ["sft"]}
+
+    def versions() -> dict[str, str]:
+        found = client.search_model_versions("name='train-sft'")
+        return {str(v.version): v.tags["lmforge.model_digest"] for v in found}
+
+    plan, out = run(SFT, [])
+    first = artifact(plan, "sft")
+    assert list(versions()) == ["1"]
+    # forced, the same weights (CPU training is bit-reproducible here): the version of those bytes is kept
+    plan, out = run(SFT, ["sft"])
+    assert out["sft"]["status"] == "ran" and artifact(plan, "sft").id == first.id
+    assert list(versions()) == ["1"]
+    # other weights under the same id (a forced rerun on a GPU, or on another machine): the model from another
+    # seed, registered as this artifact's, gets a version of its own; the same bytes again reuse it
+    plan2, out2 = run({**SFT, "seed": 7}, [])
+    other = artifact(plan2, "sft")
+    assert other.id != first.id and sorted(versions()) == ["1", "2"]  # its own artifact: its own version
+    files = [f for f in MODEL if f in other.files]
+    digest = "other-weights-0001"
+    tags = {"lmforge.artifact_id": first.id, "lmforge.model_digest": digest}
+    assert tracker.register_model("train-sft", Path(other.path), files, out["sft"]["mlflow_run_id"], tags) == "3"
+    assert tracker.register_model("train-sft", Path(other.path), files, out["sft"]["mlflow_run_id"], tags) == "3"
+    assert tracker.model_version("train-sft", first.id, digest=versions()["1"]) == "1"
+    old = _download("models:/train-sft/1", tracking, tmp_path / "v1", monkeypatch)
+    new = _download("models:/train-sft/3", tracking, tmp_path / "v2", monkeypatch)
+    first.verify_local(old)  # version 1 still serves the bytes it registered
+    other.verify_local(new)
