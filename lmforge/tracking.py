@@ -149,6 +149,11 @@ def registered_model_name(pipeline: str, stage: str) -> str:
     return f"{pipeline}-{stage}"
 
 
+#: MLflow 3's experiment kind, which picks the UI's view of the experiment; without it a new experiment of a store
+#: with no runs yet may open on the GenAI pages (traces, evaluation runs)
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 class Tracker:
     def __init__(self, uri: str, experiment: str):
         from mlflow.tracking import MlflowClient  # heavy import, paid only when tracking is used
@@ -164,8 +169,9 @@ class Tracker:
             location = None
             if uri.startswith("sqlite:///"):  # keep run files beside the db, not in the cwd
                 location = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
-            try:
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            try:  # the kind opens MLflow's UI on its model-training pages (runs, metrics, compare), not GenAI's
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location,
+                                                                   tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             except Exception:  # created concurrently by another process
                 self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
 

@@ -147,6 +147,8 @@ def test_run_names_tell_fresh_cached_and_partial_runs_apart(runs):
     # back to the first config: the name says what changed back, and that all of it was cached
     assert named.info.run_name.startswith(f"v {h[:8]} eval.gates=") and named.info.run_name.endswith(
         "sft.learning_rate=0.003 · 5 cached")
+    # the experiment opens on MLflow's model-training pages (runs, charts, compare), not on GenAI's traces
+    assert client.get_experiment(fresh.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_outcome_words():
