@@ -12,6 +12,10 @@ Creating the lease is exclusive: `O_CREAT|O_EXCL` on a local store; on S3 a cond
 honoured by AWS S3 since 2024 and by SeaweedFS), followed by a read-back that confirms the owner, so a server that
 ignored the condition still leaves only one winner in all but a race inside one round trip. Taking over an
 expired lease deletes it and creates it again through the same exclusive path.
+
+A stage trained on several nodes (`nnodes` > 1) has one builder: the `lmforge run` that holds the lease is node 0.
+The other nodes (`lmforge join`, trainer/launch.py) never take the lease and never publish or upload: they follow
+node 0's job spec while `Fence.live()` says node 0 still holds the lease, and give up when it does not.
 """
 from __future__ import annotations
 
@@ -179,17 +183,35 @@ class Fence(BaseModel):
     uri: str
     owner: str
 
-    def check(self, what: str) -> None:
+    def held(self) -> dict[str, Any] | None:
+        """The lease record in the store now ({} when unreadable, None when there is none)."""
         from lmforge.store import filesystem
 
         fs, path = filesystem(self.uri)
         try:
             fs.invalidate_cache(path)
-            held = json.loads(fs.cat_file(path))
+            return json.loads(fs.cat_file(path))
         except FileNotFoundError:
-            held = None
+            return None
         except (json.JSONDecodeError, ValueError):
-            held = {}
+            return {}
+
+    def live(self) -> tuple[bool, str]:
+        """(does the run that wrote this fence still hold the lease, and if not why): it holds it, it has not expired
+        and, on this host, its process still exists. What a joining node checks while it follows node 0."""
+        held = self.held()
+        if not held or held.get("owner") != self.owner:
+            return False, ("the lease was released" if held is None else
+                           f"the lease is now held by run {held.get('run')}")
+        if time.time() > float(held.get("expires", 0)):
+            return False, f"the lease of run {held.get('run')} expired (no heartbeat since " \
+                          f"{time.strftime('%H:%M:%S', time.localtime(float(held.get('heartbeat', 0))))})"
+        if _holder_is_gone(held):
+            return False, f"the process of run {held.get('run')} (pid {held.get('pid')}) is gone"
+        return True, f"run {held.get('run')} (host {held.get('host')}, pid {held.get('pid')}) holds the lease"
+
+    def check(self, what: str) -> None:
+        held = self.held()
         if not held or held.get("owner") != self.owner:
             raise LeaseLost(f"{what}: this run no longer holds the lease {self.uri} (now "
                             f"{'held by run ' + str(held.get('run')) if held else 'released'}); it does not touch the "

@@ -8,7 +8,7 @@ process.
 - `TrainingResult`, `PreferenceResult`, `RLResult`: the result fields every training stage, every preference
   stage (reward, dpo) and every RL stage (ppo, grpo) reports; each stage adds its own.
 - `launch_training`: the job spec, the checks that need only the config and the model's config (before any
-  process starts), then the training child (`trainer.launch`).
+  process starts), then the training child (`trainer.launch`); with nnodes > 1, as node 0 of the stage.
 """
 from __future__ import annotations
 
@@ -242,7 +242,7 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
     model stays the policy. Returns the child's result dict."""
     from trainer import launch, models
     from trainer.errors import SettingError
-    from trainer.job import ArtifactRef, JobSpec
+    from trainer.job import ArtifactRef, JobSpec, join_uri
 
     settings = cfg.trainer_settings()
     base_model = cfg.base_model
@@ -269,7 +269,10 @@ def launch_training(method: str, cfg, inputs: list[Artifact], out: Path, runtime
             res = models.resolve(base_model, spec.model, work, verify=False)
             info = models.preflight(res, cfg.method, cfg.lora, cfg.max_length_tokens)
             log.info("stage %s: %s %s, %s", runtime.stage, cfg.method, res.describe, info)
-            return launch.run(spec, root=runtime.root)  # launcher, processes, deepspeed/fsdp: from the settings
+            # launcher, processes, deepspeed/fsdp: from the settings; with nnodes > 1 this is node 0, and the other
+            # nodes (`lmforge join`) find its job spec at the join key
+            return launch.run(spec, root=runtime.root,
+                              join=join_uri(runtime.store.url, runtime.pipeline, runtime.stage))
     except SettingError as e:
         raise ConfigError([f"stages.{runtime.stage}.{e.field}: {e.problem}"]) from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from lmforge.tracking import RedactingFilter
 from trainer import checkpoint, determinism, monitoring
 from trainer.errors import Preempted, SettingError
-from trainer.job import JobSpec, rank
+from trainer.job import JobSpec, rank, world_size
 
 log = logging.getLogger("trainer.entry")
 
@@ -82,6 +82,28 @@ def _rss_after_imports() -> float:
     return round(psutil.Process().memory_info().rss / 2**20, 1)
 
 
+def check_attempt(spec: JobSpec, timeout_s: float = 300) -> None:
+    """Several nodes: every rank runs the same attempt of node 0's job spec (trainer/launch.py). A joining node that
+    followed an older attempt's spec (node 0 restarted meanwhile) would resume from another checkpoint: each rank
+    writes its attempt into torchrun's rendezvous store and compares every other rank's."""
+    if spec.attempt is None or world_size() == 1 or "MASTER_ADDR" not in os.environ:
+        return
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    store.set(f"lmforge/attempt/{rank()}", spec.attempt)
+    for r in range(world_size()):
+        other = store.get(f"lmforge/attempt/{r}").decode()
+        if other != spec.attempt:
+            raise RuntimeError(f"rank {r} runs attempt {other[:8]} of node 0's job spec and rank {rank()} attempt "
+                               f"{spec.attempt[:8]}: a node followed an older job spec (node 0 started again "
+                               "meanwhile). Stop every node, then start `lmforge run` on node 0 and `lmforge join` "
+                               "on the others again")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path = Path(argv[0])
@@ -91,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = JobSpec.read(spec_path)
         monitoring.start(spec)  # rank 0's metrics endpoint, when the stage asked for one
+        check_attempt(spec)  # several nodes: all ranks follow the same job spec of node 0
         det = determinism.setup(spec.settings)  # threads, deterministic algorithms, seeds: before anything is built
         recipe = recipe_module(spec.method)
         baseline = _rss_after_imports()

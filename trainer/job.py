@@ -5,6 +5,10 @@ to write the output, where checkpoints go and which MLflow run gets the metrics.
 `ShardRef`s (URL plus the manifest's size and sha256, checked before a shard is used); other artifacts
 by reference (store URL, kind, id), read through their manifest in the child: `materialize` gives a
 local folder whose files were checked against the manifest's sizes and sha256.
+
+A stage trained on several nodes: node 0 (the `lmforge run` holding the stage's lease) publishes a `JoinRecord`,
+its job spec plus the rendezvous, at `join_uri(store, pipeline, stage)`; every other node's `lmforge join` reads it
+(trainer.launch.join_node).
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+import time
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -69,6 +74,8 @@ class JobSpec(BaseModel):
     #: the shards are a `tokenize` stage's token rows (tasks/tokenize.py): their rows per shard, chat template,
     #: tokenizer fingerprint and row settings; None: the shards hold records the recipe tokenizes itself
     token_data: dict[str, Any] | None = None
+    #: a multi-node attempt's id (node 0's JoinRecord): every rank checks that all ranks run the same attempt
+    attempt: str | None = None
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.model_dump(mode="json"), indent=2))
@@ -76,6 +83,65 @@ class JobSpec(BaseModel):
     @classmethod
     def read(cls, path: Path) -> "JobSpec":
         return cls.model_validate_json(path.read_text())
+
+
+JOIN_FOLDER = "_join"  # under the store's root; `_`-prefixed folders are no artifact kind
+
+
+def join_uri(store_url: str, pipeline: str, stage: str) -> str:
+    """Where node 0 of `stage` publishes its JoinRecord: a key the other nodes know from the config alone (store,
+    pipeline name, stage name), before they know the artifact id (that needs the data, which they need not have)."""
+    return f"{store_url.rstrip('/')}/{JOIN_FOLDER}/{pipeline}/{stage}.json"
+
+
+class JoinRecord(BaseModel):
+    """What a joining node needs: node 0's job spec (its work and output folders are node 0's; a joining node uses
+    its own), the rendezvous, and the state of node 0's attempt (training, then trained or failed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: str  # new for every attempt of node 0: a joining node never follows an older one
+    state: Literal["training", "trained", "failed"]
+    stage: str
+    artifact_uri: str  # the artifact node 0 builds: its manifest appears there when node 0 publishes
+    nnodes: int
+    nproc_per_node: int
+    rdzv_endpoint: str
+    host: str
+    pid: int
+    published_at: float
+    error: str | None = None  # why node 0's attempt failed
+    spec: JobSpec
+
+    def write(self, uri: str) -> None:
+        from lmforge.store import filesystem, is_local
+
+        fs, path = filesystem(uri)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        data = self.model_dump_json(indent=2).encode()
+        if is_local(fs):  # never seen half-written
+            tmp = f"{path}.tmp-{os.getpid()}"
+            fs.pipe_file(tmp, data)
+            os.replace(tmp, path)
+        else:
+            fs.pipe_file(path, data)
+
+    @classmethod
+    def read(cls, uri: str) -> "JoinRecord | None":
+        from lmforge.store import filesystem
+
+        fs, path = filesystem(uri)
+        try:
+            fs.invalidate_cache(path)
+            return cls.model_validate_json(fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+
+    def mark(self, uri: str, state: str, error: str | None = None) -> None:
+        """Record the end of node 0's attempt, unless a newer attempt has replaced this record meanwhile."""
+        now = JoinRecord.read(uri)
+        if now is None or now.attempt == self.attempt:
+            self.model_copy(update={"state": state, "error": error, "published_at": time.time()}).write(uri)
 
 
 CONFIG_BYTES = 1 << 20  # what a config-only check (`verify=False`) reads and checks: config and tokenizer files
