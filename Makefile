@@ -65,5 +65,28 @@ lock:
 	{ echo "# Full resolved environment, installed with --no-deps by 'make setup'. Regenerate: make lock"; \
 	  $(BIN)/pip freeze --all --exclude-editable | grep -v '^lmforge'; } > requirements/lock.txt
 
+# `make image`: the container image (Dockerfile, docs/image.md) with docker when its daemon answers, else podman.
+# Here, with no registry: make image BASE_IMAGE=localhost/debian:bookworm. TORCH=cuda selects PyPI's CUDA build of
+# torch; the CPU build comes from the folder pip's find-links names, when it holds the wheel (else PyTorch's CPU index).
+.PHONY: image
+IMAGE        ?= lmforge:dev
+BASE_IMAGE   ?= python:3.11-slim
+TORCH        ?= cpu
+CONTEXT      ?= .
+BUILD_FLAGS  ?=
+ENGINE       ?= $(shell docker info >/dev/null 2>&1 && echo docker || { command -v podman >/dev/null && echo podman; } \
+                || echo docker)
+TORCH_WHEELS ?= $(firstword $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+# the CA bundle pip trusts here (a TLS proxy in front of PyPI), lent to the build's pip only
+PIP_CA       ?= $(firstword $(PIP_CERT) $(shell $(PYTHON) -m pip config get global.cert 2>/dev/null))
+image:
+	$(ENGINE) build $(BUILD_FLAGS) -f $(CURDIR)/Dockerfile -t $(IMAGE) \
+	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg TORCH=$(TORCH) \
+	  --build-arg LMFORGE_GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
+	  $(if $(wildcard $(TORCH_WHEELS)/torch-*.whl),--build-context torch-wheels=$(TORCH_WHEELS)) \
+	  $(if $(wildcard $(PIP_CA)),--build-context pip-ca=$(dir $(PIP_CA)) \
+	    --build-arg PIP_CA_FILE=$(notdir $(PIP_CA))) \
+	  $(CONTEXT)
+
 clean:
 	rm -rf artifacts mlflow.db mlartifacts .lmforge
