@@ -1,4 +1,4 @@
-"""Padding: the lmforge `sft` stage (length-grouped micro-batches) against a plain TRL SFTTrainer script.
+"""Padding: the lmforge `sft` stage (length-grouped, and padding-free packed) against a plain TRL SFTTrainer script.
 
     python bench/padding.py [--rows 64] [--heldout 32] [--batch 4] [--max-length 512] [--threads 2]
 
@@ -11,13 +11,15 @@ Data: an Alpaca-style set (instruction / input / output rows) generated here wit
 instruction data: replies from a few words to several hundred tokens (a log-normal word count), an optional
 input, a few instruction templates. Training rows and held-out rows are disjoint.
 
-The two sides:
-A  lmforge: ingest (the Alpaca layout read as is) -> shard -> tokenize -> sft, through `execute_stage` as `lmforge
-   run` runs it: the rows tokenized once, streamed by the training child process in length-grouped micro-batches
-   (the default), checkpoints and metrics as usual; `--no-tokenize`: shard -> sft, tokenized in memory.
+The three sides:
+A  lmforge (grouped): ingest (the Alpaca layout read as is) -> shard -> tokenize -> sft, through `execute_stage` as
+   `lmforge run` runs it: the rows tokenized once, streamed by the training child process in length-grouped
+   micro-batches (the default), checkpoints and metrics as usual; `--no-tokenize`: shard -> sft, tokenized in memory.
+P  lmforge (packed): the same stages with `packing: padding_free` on the sft stage: each micro-batch of 4 rows
+   concatenated into one row without padding (position_ids restart per row, no attention mask).
 B  plain: a fresh python running `plain_script()`: the same jsonl converted to messages, the same folder, SFTConfig
    with the same settings and the Trainer's random order (what a user's script gets).
-Both train one epoch over the same rows, so they see the same non-pad tokens (checked). Reported per side:
+All train one epoch over the same rows, so they see the same non-pad tokens (checked). Reported per side:
 - non-pad tokens/s: the Trainer's `num_input_tokens_seen` (non_padding) over the train loop's time;
 - padding fraction: lmforge's measured `padding_fraction`; for the plain script the same count (attention mask
   ones vs its size) over its batches;
@@ -25,7 +27,8 @@ Both train one epoch over the same rows, so they see the same non-pad tokens (ch
   process inherits from the one that started it; it includes the model load on both sides);
 - held-out assistant loss: tasks/evaluation/engine.chat_loss (equal to TRL's eval_loss, see tests/test_eval.py) of the
   trained adapter on the held-out rows, the same conversations and mask for both.
-Target (issue 13): lmforge >= 1.3x the plain script's non-pad tokens/s, held-out loss within +-1%, peak RSS no higher.
+Targets: grouped >= 1.3x the plain script's non-pad tokens/s (issue 13); packed >= 1.45x plain and not slower than
+grouped (issue 25); held-out loss within +-1% of plain; peak RSS no higher. `--sides` picks the lmforge sides run.
 
 The plain script is not deterministic (its held-out loss moves between runs); lmforge's is. Measured figures:
 docs/results.md.
@@ -154,6 +157,8 @@ def main() -> None:
     ap.add_argument("--no-tokenize", dest="tokenize", action="store_false",
                     help="lmforge side without a tokenize stage: sft tokenizes in memory (the default streams the "
                     "rows a tokenize stage made)")
+    ap.add_argument("--sides", default="grouped,packed", help="lmforge sides to run, comma-separated: grouped, "
+                    "packed (padding-free); the plain TRL script always runs")
     ap.add_argument("--plain", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plain:
@@ -173,25 +178,32 @@ def main() -> None:
         train, held = rows[:args.rows], rows[args.rows:]
         data = write_jsonl(tmp / "data" / "alpaca.jsonl", train)
 
+        sides = {"grouped": {}, "packed": {"packing": "padding_free"}}
+        sides = {k: v for k, v in sides.items() if k in args.sides.split(",")}
+        sft = {"kind": "sft", "inputs": ["tokens" if args.tokenize else "shard"], "retries": 0, **SETTINGS,
+               "batch_size_per_device": args.batch, "max_length_tokens": args.max_length, "cpu_threads": args.threads,
+               "base_model": {"path": str(model_dir)}}
         raw = {"name": "bench-padding", "store": str(tmp / "artifacts"),
                "datasets": {"alpaca": {"path": str(data), "kind": "chat"}},
                "stages": {"ingest": {"kind": "ingest", "inputs": ["alpaca"]},
                           "shard": {"kind": "shard", "inputs": ["ingest"], "validation_fraction": 0.0},
                           "tokens": {"kind": "tokenize", "inputs": ["shard"]},
-                          "sft": {"kind": "sft", "inputs": ["tokens" if args.tokenize else "shard"], "retries": 0,
-                                  **SETTINGS, "batch_size_per_device": args.batch, "max_length_tokens": args.max_length,
-                                  "cpu_threads": args.threads, "base_model": {"path": str(model_dir)}}}}
+                          **{f"sft_{k}": {**sft, **v} for k, v in sides.items()}}}
         if not args.tokenize:
             del raw["stages"]["tokens"]
         plan, ctx = plan_run(raw, tmp)
-        for name in ("ingest", "shard", *(["tokens"] if args.tokenize else []), "sft"):
+        for name in ("ingest", "shard", *(["tokens"] if args.tokenize else [])):
             execute_stage(ctx, name)
-        art = plan.store.require("sft", plan.stages["sft"].artifact_id)
-        r = art.result
-        lm = {"tokens": r["tokens"], "train_seconds": r["train_seconds"], "steps": r["steps"],
-              "nonpad_tokens_per_s": r["nonpad_tokens_per_s"], "padding_fraction": r["padding_fraction"],
-              "peak_rss_mb": r["peak_memory_mb"]}
-        print(f"lmforge: {json.dumps(lm)}", flush=True)
+        results, adapters = {}, {}
+        for side in sides:
+            execute_stage(ctx, f"sft_{side}")
+            art = plan.store.require("sft", plan.stages[f"sft_{side}"].artifact_id)
+            r = art.result
+            results[side] = {"tokens": r["tokens"], "train_seconds": r["train_seconds"], "steps": r["steps"],
+                             "nonpad_tokens_per_s": r["nonpad_tokens_per_s"], "padding_fraction": r["padding_fraction"],
+                             "peak_rss_mb": r["peak_memory_mb"]}
+            adapters[side] = art.path
+            print(f"lmforge {side}: {json.dumps(results[side])}", flush=True)
 
         job = {"data": str(data), "model": str(model_dir), "out": str(tmp / "plain"), "batch": args.batch,
                "max_length": args.max_length}
@@ -202,28 +214,37 @@ def main() -> None:
         plain = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"plain:   {json.dumps(plain)}", flush=True)
 
-        lm["heldout_loss"] = heldout_loss(str(model_dir), art.path, held, args.max_length)
+        for side in results:
+            results[side]["heldout_loss"] = heldout_loss(str(model_dir), adapters[side], held, args.max_length)
         plain["heldout_loss"] = heldout_loss(str(model_dir), str(tmp / "plain"), held, args.max_length)
         base = heldout_loss_base(str(model_dir), held, args.max_length)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    speed = lm["nonpad_tokens_per_s"] / plain["nonpad_tokens_per_s"]
-    loss_diff = lm["heldout_loss"] / plain["heldout_loss"] - 1
     print(f"\npadding bench: SmolLM2-135M LoRA r16, {args.rows} Alpaca-style rows (one epoch), batch {args.batch}, "
-          f"max {args.max_length}, {args.threads} thread(s), lmforge side "
+          f"max {args.max_length}, {args.threads} thread(s), lmforge "
           f"{'tokenize + streamed sft' if args.tokenize else 'sft in memory'}; load {os.getloadavg()[0]:.2f}\n")
-    print(f"{'side':<9} {'non-pad tok/s':>14} {'padding':>8} {'steps':>6} {'tokens':>7} {'peak RSS MB':>12} "
-          f"{'held-out loss':>14}")
-    for name, d in (("lmforge", lm), ("plain", plain)):
-        print(f"{name:<9} {d['nonpad_tokens_per_s']:>14,.1f} {d['padding_fraction']:>8.1%} {d['steps']:>6} "
-              f"{d['tokens']:>7} {d['peak_rss_mb']:>12,.0f} {d['heldout_loss']:>14.4f}")
-    print(f"(base model before training: held-out loss {base:.4f})")
-    print(f"\nnon-pad tokens/s lmforge / plain: {speed:.2f} (target >= 1.3); held-out loss {loss_diff:+.2%} "
-          f"(target within +-1%); peak RSS {lm['peak_rss_mb'] - plain['peak_rss_mb']:+,.0f} MB (target <= 0); "
-          f"same non-pad tokens: {lm['tokens'] == plain['tokens']}")
-    print(json.dumps({"speedup": round(speed, 3), "heldout_loss_diff": round(loss_diff, 4), "lmforge": lm,
-                      "plain": plain, "base_heldout_loss": base}))
+    print(f"{'side':<9} {'non-pad tok/s':>14} {'x plain':>8} {'padding':>8} {'steps':>6} {'tokens':>7} "
+          f"{'peak RSS MB':>12} {'held-out loss':>14} {'vs plain':>9}")
+    everything = {**results, "plain": plain}
+    for name, d in everything.items():
+        d["speedup"] = round(d["nonpad_tokens_per_s"] / plain["nonpad_tokens_per_s"], 3)
+        d["heldout_loss_diff"] = round(d["heldout_loss"] / plain["heldout_loss"] - 1, 4)
+        print(f"{name:<9} {d['nonpad_tokens_per_s']:>14,.1f} {d['speedup']:>8.2f} {d['padding_fraction']:>8.1%} "
+              f"{d['steps']:>6} {d['tokens']:>7} {d['peak_rss_mb']:>12,.0f} {d['heldout_loss']:>14.4f} "
+              f"{d['heldout_loss_diff']:>+9.2%}")
+    print(f"(base model before training: held-out loss {base:.4f})\n")
+    targets = {"grouped": 1.3, "packed": 1.45}
+    for side, d in results.items():
+        print(f"{side}: {d['speedup']:.2f}x plain non-pad tokens/s (target >= {targets[side]}); held-out loss "
+              f"{d['heldout_loss_diff']:+.2%} (target within +-1%); peak RSS "
+              f"{d['peak_rss_mb'] - plain['peak_rss_mb']:+,.0f} MB; same non-pad tokens: "
+              f"{d['tokens'] == plain['tokens']}")
+    if {"grouped", "packed"} <= set(results):
+        print(f"packed / grouped non-pad tokens/s: "
+              f"{results['packed']['nonpad_tokens_per_s'] / results['grouped']['nonpad_tokens_per_s']:.2f} "
+              "(target >= 1.0)")
+    print(json.dumps({"sides": everything, "base_heldout_loss": base, "load": os.getloadavg()}))
 
 
 def heldout_loss_base(model_dir: str, rows: list[dict], max_length: int) -> float:

@@ -106,11 +106,86 @@ def group_by_length(trainer: Any, s: Any) -> LengthGroupedSampler | None:
     return sampler
 
 
-class PaddingMeter:
-    """Real and computed tokens of every micro-batch this process trains on (see the module docstring)."""
+class PaddingFree:
+    """Padding-free forward passes for trainers whose collators pad (dpo, reward): the model sees each padded
+    micro-batch's real tokens concatenated into one row, and its head's output is put back in the padded layout the
+    trainer's loss reads, so TRL's loss code runs unchanged and computes exactly what it computed on the padded batch.
 
-    def __init__(self, trainer: Any):
+    A pre-hook on the backbone (e.g. LlamaModel) takes the right-padded [B, L] input_ids and attention_mask, keeps the
+    real tokens as one [1, T] row with position_ids restarting at 0 per row (the padded forward's positions) and
+    passes no attention mask; transformers then builds the block-diagonal causal mask from the position_ids (sdpa,
+    eager; flash-attention reads them). A hook on the head (lm_head, or a reward model's score) scatters its [1, T, X]
+    output back to [B, L, X], zeros at the padding (which the losses mask). Only forwards without a cache are packed
+    (TRL's training and evaluation forwards pass use_cache=False; generation keeps its padded, cached path), so the
+    packed-sequence detection is never turned off by a cache. Installed on the policy and, in dpo with a full model,
+    on the reference copy too.
+    """
+
+    def __init__(self, model: Any):
+        core = _core_model(model)
+        backbone = getattr(core, core.base_model_prefix)
+        head = core.get_output_embeddings() if hasattr(core, "lm_head") else getattr(core, "score")
+        self.mask = None
+        backbone.register_forward_pre_hook(self._pack, with_kwargs=True)
+        head.register_forward_hook(self._unpack)
+
+    def _pack(self, module, args, kwargs):
+        import torch
+
+        self.mask = None
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if (args or ids is None or mask is None or mask.dim() != 2 or kwargs.get("use_cache") is not False
+                or kwargs.get("past_key_values") is not None):
+            return None
+        m = mask.bool()
+        if not torch.equal(m, m.long().cumprod(-1).bool()):  # only right padding keeps rows apart by position
+            return None
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        self.mask = m
+        return (), {**kwargs, "input_ids": ids[m][None], "position_ids": pos[m][None], "attention_mask": None}
+
+    def _unpack(self, module, args, output):
+        if self.mask is None:
+            return None
+        m, self.mask = self.mask, None
+        full = output.new_zeros(*m.shape, output.shape[-1])
+        full[m] = output[0]
+        return full
+
+
+def _core_model(model: Any) -> Any:
+    """The transformers model inside `model` (a PeftModel, DDP or DeepSpeed wrapper) that holds the backbone and the
+    head."""
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and hasattr(m, m.base_model_prefix) and (
+                hasattr(m, "lm_head") or hasattr(m, "score")):
+            return m
+    raise ValueError(f"no transformers model with a backbone and a head in {type(model).__name__}")
+
+
+def padding_free(trainer: Any, s: Any) -> bool:
+    """With `packing: padding_free` (dpo, reward), pack the forwards of the trainer's model, and of its reference
+    model when it holds one of its own; whether it did."""
+    if getattr(s, "packing", False) != "padding_free":
+        return False
+    PaddingFree(trainer.model)
+    if getattr(trainer, "ref_model", None) is not None:
+        PaddingFree(trainer.ref_model)
+    log.info("padding-free forwards: each micro-batch's rows concatenated, position_ids restarting per row")
+    return True
+
+
+class PaddingMeter:
+    """Real and computed tokens of every micro-batch this process trains on (see the module docstring); with
+    `packed` (PaddingFree forwards) the model computes on the real tokens only."""
+
+    def __init__(self, trainer: Any, packed: bool = False):
         self.real = self.computed = 0
+        self.packed = packed
         compute_loss = trainer.compute_loss
 
         def measured(model, inputs, *args, **kwargs):  # GRPO builds its tensors before compute_loss, not before
@@ -131,7 +206,7 @@ class PaddingMeter:
             self.real, self.computed = self.real + n, self.computed + n
         for m in masks:
             self.real += int(m.sum())
-            self.computed += int(m.numel())
+            self.computed += int(m.sum() if self.packed else m.numel())
 
     @property
     def fraction(self) -> float | None:

@@ -109,7 +109,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
                                      f"{s.max_length_tokens}", model=model, args=args, processing_class=tokenizer,
                                      callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)
-    meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
+    packed = batching.padding_free(trainer, s)  # packing: padding_free: the forwards skip the padding
+    meter = batching.PaddingMeter(trainer, packed)  # padding_fraction and non-pad tokens/s, measured
 
     # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
     state = checkpoint.train_resumable(trainer, spec, ckpt)

@@ -125,6 +125,11 @@ class GroupedBatchSettings(TrainSettings):
                                   "Resume stays exact. false: the Trainer's random order.")
     length_group_buffer: int = Field(64, gt=0, description="Micro-batches per shuffle buffer that group_by_length "
                                      "sorts by length: larger groups tighter, smaller mixes the data more.")
+    packing: Literal[False, "padding_free"] = Field(
+        False, description="padding_free: the model sees each micro-batch's real tokens concatenated into one row "
+        "(position_ids restart per row, no attention mask) and its output is put back in the padded layout, so no "
+        "compute goes to padding and the loss is the padded step's; group_by_length is then ignored. false: padded "
+        "micro-batches.")
 
 
 class SftSettings(GroupedBatchSettings):
@@ -132,10 +137,24 @@ class SftSettings(GroupedBatchSettings):
 
     assistant_only_loss: bool = Field(True, description="Loss on assistant tokens only (needs a chat template with "
                                       "{% generation %} markers; known stock templates get a marked copy).")
-    packing: bool = Field(False, description="Pack several conversations into each row of max_length_tokens (no "
-                          "padding; attention stays within each conversation).")
+    packing: bool | Literal["padding_free"] = Field(
+        False, description="padding_free: each micro-batch's conversations concatenated into one row (position_ids "
+        "restart per conversation, no attention mask), so no compute goes to padding while the rows of a step and "
+        "the loss stay those of the padded step; attention stays within each conversation (sdpa and eager build "
+        "the block-diagonal mask from position_ids, flash-attention reads them directly); group_by_length is "
+        "not needed and is ignored. true: TRL's packing into rows of max_length_tokens (packing_strategy), which "
+        "changes how many conversations a step trains on. false: one padded row per conversation.")
     packing_strategy: Literal["bfd", "wrapped"] = Field(
-        "bfd", description="bfd: best-fit decreasing, whole conversations; wrapped: cut across conversations.")
+        "bfd", validate_default=True, description="packing: true only. bfd: best-fit decreasing, whole "
+        "conversations; wrapped: cut across conversations.")
+
+    @field_validator("packing_strategy")
+    @classmethod
+    def _strategy_of_packing(cls, v: str, info: ValidationInfo) -> str:
+        if v != "bfd" and info.data.get("packing") is not True:
+            raise ValueError(f"packing_strategy {v} applies to packing: true only (packing is "
+                             f"{info.data.get('packing')}); remove it")
+        return v
 
 
 class RewardSettings(GroupedBatchSettings):

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from lmforge.errors import DataError
 from trainer import batching, chat_templates, checkpoint, data, distributed, models, tokens
 from trainer.args import training_args
 from trainer.job import JobSpec, rank
@@ -45,6 +46,22 @@ def train(spec: JobSpec) -> dict[str, Any]:
             if marked is not None:
                 tokenizer.chat_template = marked  # renders the same text; saved with the model
 
+    # padding-free packing without a tokenize stage: token rows made here the way that stage makes them
+    padding_free = s.packing == "padding_free"
+    records = len(train_ds) if not streamed else None
+    dropped = 0
+    if padding_free and not streamed:
+        train_ds, dropped = tokens.sft_rows(tokenizer, train_ds, max_length=s.max_length_tokens,
+                                            assistant_only_loss=s.assistant_only_loss,
+                                            where=f"stage {spec.stage} train split")
+        if train_ds is None:
+            raise DataError(f"stage {spec.stage} train split", f"none of the {records} conversations has an assistant "
+                            f"token within max_length_tokens {s.max_length_tokens}", "raise max_length_tokens")
+        if eval_ds is not None:
+            eval_ds, _ = tokens.sft_rows(tokenizer, eval_ds, max_length=s.max_length_tokens,
+                                         assistant_only_loss=s.assistant_only_loss,
+                                         where=f"stage {spec.stage} validation split")
+
     # 3. model: full, or LoRA adapters on a full-precision (lora) or 4-bit NF4 (qlora) base
     model, _ = models.load_for_training(res, tokenizer, method=s.method, lora=s.lora, seed=s.seed, work_dir=work,
                                         dtype=s.dtype, gradient_checkpointing=s.gradient_checkpointing)
@@ -53,23 +70,31 @@ def train(spec: JobSpec) -> dict[str, Any]:
     targs = training_args(s, work)
     if streamed:
         targs["max_steps"] = steps  # a stream has no length: the epochs become steps (see _token_data)
-    args = SFTConfig(**targs, packing=s.packing, packing_strategy=s.packing_strategy,
-                     assistant_only_loss=s.assistant_only_loss and not streamed)  # token rows carry their labels
+    if padding_free:  # the rows are cut to max_length_tokens already; TRL refuses max_length without its packing
+        targs["max_length"] = None
+        # no padding to leave out, and the pad id can be a real token (eos) inside a row: count every token
+        targs["include_num_input_tokens_seen"] = "all"
+    # padding-free: TRL's collator concatenates a micro-batch's rows into one, position_ids restarting per row and
+    # no attention mask; SFTTrainer.compute_loss passes use_cache=False, so transformers builds the block-diagonal
+    # mask from position_ids (sdpa, eager) and the loss is the padded step's (per assistant token)
+    args = SFTConfig(**targs, packing=s.packing is True, packing_strategy=s.packing_strategy,
+                     padding_free=padding_free,
+                     assistant_only_loss=s.assistant_only_loss and not (streamed or padding_free))  # rows carry labels
     ckpt = checkpoint.callback_for(spec, s)
     metrics = MetricsCallback(spec.tracking_uri, spec.mlflow_run_id)
     trainer = tokens.build_trainer(SFTTrainer, train_ds, model=model, args=args, eval_dataset=eval_ds,
                                    processing_class=tokenizer, callbacks=[ckpt, metrics])
     trainer.remove_callback(PrinterCallback)  # with tqdm off it prints every log dict; MetricsCallback logs progress
-    if not streamed:
+    if not streamed and not padding_free:
         batching.group_by_length(trainer, s)  # micro-batches of similar length: little padding
     meter = batching.PaddingMeter(trainer)  # padding_fraction and non-pad tokens/s, measured
     if streamed:
         dropped = spec.token_data["dropped_no_label"]["train"]  # counted once, by the tokenize stage
-    else:
+    elif not padding_free:
         dropped = 0 if s.packing else len(train_ds) - len(trainer.train_dataset)
     if dropped and not streamed:  # TRL drops them silently: truncation left no assistant token to learn from
         log.warning("%d of %d conversations have no assistant token within max_length_tokens %d and are skipped",
-                    dropped, len(train_ds), s.max_length_tokens)
+                    dropped, records, s.max_length_tokens)
 
     # 5. train (resumes from the newest uploaded checkpoint; SIGTERM -> checkpoint, then Preempted)
     state = checkpoint.train_resumable(trainer, spec, ckpt)
@@ -92,7 +117,7 @@ def train(spec: JobSpec) -> dict[str, Any]:
         "method": s.method,
         "base_model": res.describe,
         "format": info.get("format", ""),
-        "train_records": train_ds.rows + dropped if streamed else len(train_ds),
+        "train_records": train_ds.rows + dropped if streamed else records,
         "train_rows": train_ds.rows if streamed else len(trainer.train_dataset),  # after tokenizing, dropping, packing
         "dropped_fully_masked": dropped,
         "validation_records": len(eval_ds) if eval_ds is not None else 0,

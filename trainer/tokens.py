@@ -67,6 +67,17 @@ def sft_row(tokenizer, messages: list[dict[str, Any]], *, max_length: int, assis
     return {"input_ids": ids, "labels": labels}
 
 
+def sft_rows(tokenizer, conversations, *, max_length: int, assistant_only_loss: bool, where: str):
+    """(a `datasets.Dataset` of {input_ids, labels}, rows dropped): a chat data set made into token rows in memory,
+    as the tokenize stage makes them (`sft_row`): what padding-free packing trains on without a tokenize stage."""
+    import datasets
+
+    rows = [sft_row(tokenizer, m, max_length=max_length, assistant_only_loss=assistant_only_loss,
+                    where=f"{where}, row {i}") for i, m in enumerate(conversations["messages"])]
+    kept = [r for r in rows if r is not None]
+    return (datasets.Dataset.from_list(kept) if kept else None), len(rows) - len(kept)
+
+
 def _ids(tokenizer, x) -> list[int]:
     """TRL's `_tokenize`: a message list through the chat template, a string through the tokenizer."""
     if isinstance(x, list):
@@ -289,7 +300,8 @@ def stream_data(spec, s, tokenizer, kind: str):
         raise DataError(where, "the token rows were rendered with another chat template than this model's",
                         "give the tokenize stage the same model input as this stage")
     train = TokenRowStream(spec.train_shards, td["rows_per_shard"]["train"], batch_size=s.batch_size_per_device,
-                           buffer_batches=s.length_group_buffer, group_by_length=s.group_by_length, seed=s.seed,
+                           buffer_batches=s.length_group_buffer, seed=s.seed,
+                           group_by_length=s.group_by_length and getattr(s, "packing", False) != "padding_free",
                            where=where, fields=FIELDS[kind], max_rows=s.max_train_records)
     eval_ds = None
     if s.evaluate and spec.validation_shards:
