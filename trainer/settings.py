@@ -64,9 +64,10 @@ class TrainSettings(BaseModel):
         "launcher on one node (needs deepspeed).")
     nproc_per_node: int = Field(1, gt=0, description="Training processes per node (one per GPU) with launcher "
                                 "torchrun or deepspeed.")
-    nnodes: int = Field(1, gt=0, description="Machines training together (launcher torchrun): run the same stage on "
-                        "each; they meet at rdzv_endpoint. The global batch is batch_size_per_device x "
-                        "grad_accumulation_steps x nproc_per_node x nnodes.")
+    nnodes: int = Field(1, gt=0, description="Machines training together (launcher torchrun): node 0 is the `lmforge "
+                        "run` of the stage, each other node runs `lmforge join CONFIG --stage NAME --node-rank K` "
+                        "(docs/scale-out.md); node 0 hosts the rendezvous at rdzv_endpoint. The global batch is "
+                        "batch_size_per_device x grad_accumulation_steps x nproc_per_node x nnodes.")
     rdzv_endpoint: str | None = Field(None, pattern=r"^\S+:\d+$", description="host:port of the torchrun rendezvous "
                                       "that every node reaches (e.g. the first node, 10.0.0.1:29400); needed with "
                                       "nnodes > 1. Unset: a standalone single-node rendezvous.")
