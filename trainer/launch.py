@@ -272,12 +272,7 @@ def join_node(uri: str, stage: str, node_rank: int, wait_s: float) -> dict[str, 
 
 def _joined_node_failed(spec: JobSpec, record: JoinRecord, uri: str, node_rank: int, rc: int, work: Path,
                         tail: list[str]) -> None:
-    errors = sorted(work.glob("error-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    err = json.loads(errors[0].read_text()) if errors else None
-    if err and err.get("type") == "SettingError":
-        raise SettingError(err["field"], err["problem"])
-    if err and err.get("type") == "Preempted":
-        raise Preempted(err["message"])
+    err = _child_error(work)
     now = JoinRecord.read(uri)
     if now is not None and now.attempt == record.attempt and now.state == "failed":
         node0 = f"node 0's attempt failed: {now.error}"
@@ -438,16 +433,23 @@ def stop_training(proc) -> list[int]:
     return [p.pid for p in ranks]
 
 
-def _outcome(spec: JobSpec, rc: int, work: Path, tail: list[str]) -> dict[str, Any]:
-    result_path = work / "result.json"
-    if rc == 0 and result_path.is_file():
-        return json.loads(result_path.read_text())
+def _child_error(work: Path) -> dict[str, Any] | None:
+    """The first error a training rank reported in `work` (error-<rank>.json); a setting error or a stop request
+    is raised as itself, the rest is returned for the caller's message."""
     errors = sorted(work.glob("error-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     err = json.loads(errors[0].read_text()) if errors else None
     if err and err.get("type") == "SettingError":
         raise SettingError(err["field"], err["problem"])
     if err and err.get("type") == "Preempted":
         raise Preempted(err["message"])
+    return err
+
+
+def _outcome(spec: JobSpec, rc: int, work: Path, tail: list[str]) -> dict[str, Any]:
+    result_path = work / "result.json"
+    if rc == 0 and result_path.is_file():
+        return json.loads(result_path.read_text())
+    err = _child_error(work)
     if err and err.get("type") == "LeaseLost":  # fenced off its checkpoints: another run builds this stage now
         from lmforge.lease import LeaseLost
 
