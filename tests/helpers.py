@@ -93,6 +93,22 @@ def prefect_home(path: Path) -> str:
     return str(path)
 
 
+def stack_port() -> int:
+    """A free port of 127.0.0.1 in 33000-40000 for `lmforge stack`: SeaweedFS also takes port + 10000 (gRPC), which
+    must stay below the ephemeral range the kernel hands out."""
+    import random
+    import socket
+
+    while True:
+        p = random.randrange(33000, 40000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+                return p
+            except OSError:
+                continue
+
+
 def write_config(dir: Path, cfg: dict[str, Any], name: str = "pipeline.yaml") -> Path:
     path = dir / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, aws_environment, chat_rows, sft, train_pipeline, write_jsonl
+from tests.helpers import REPO, aws_environment, chat_rows, sft, stack_port, train_pipeline, write_jsonl
 
 SECRET = "planted-" + secrets.token_hex(12)  # made at run time: this file (in the image) must not hold it
 
@@ -54,17 +52,6 @@ def test_dockerignore_leaves_out_what_git_ignores():
             missing.append(f"{pattern} (as {want})")
     assert not missing, f".dockerignore lacks what .gitignore ignores: {missing}"
     assert {".lmforge", ".git", "artifacts", "mlflow.db", "**/.venv"} <= docker
-
-
-def _free_port() -> int:
-    while True:
-        p = random.randrange(33000, 40000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-                return p
-            except OSError:
-                continue
 
 
 def _lmforge(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -148,7 +135,7 @@ def test_image_runs_a_pipeline_on_the_host_stack(tmp_path):
 
     # the stack on the host, the pipeline in the container with the stack's environment
     stack = tmp_path / "stack"
-    ports = {"s3": _free_port(), "mlflow": _free_port(), "prefect": _free_port()}
+    ports = {"s3": stack_port(), "mlflow": stack_port(), "prefect": stack_port()}
     up = _lmforge("stack", "up", "--dir", str(stack), "--s3-port", str(ports["s3"]), "--mlflow-port",
                   str(ports["mlflow"]), "--prefect-port", str(ports["prefect"]), cwd=tmp_path)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -21,23 +20,13 @@ import boto3
 import psutil
 import yaml
 
-from tests.helpers import REPO, aws_environment, chat_rows, sft, text_rows, train_pipeline, write_jsonl, write_task_dir
+from tests.helpers import (REPO, aws_environment, chat_rows, sft, stack_port, text_rows, train_pipeline, write_jsonl,
+                           write_task_dir)
 
 
 def _lmforge(*args: str, cwd, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**(env or os.environ), "PYTHONPATH": str(REPO)})
-
-
-def _free_port() -> int:
-    while True:
-        p = random.randrange(33000, 40000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-                return p
-            except OSError:
-                continue
 
 
 def _post(url: str, body: dict) -> dict:
@@ -78,7 +67,7 @@ def test_root_is_told_about_the_pgserver_system_user(caplog, tmp_path):
 @pytest.mark.slow  # minutes: five servers; the stack's pieces (S3, MLflow, Prefect server) run in the default suite one by one
 def test_stack_up_run_against_it_and_down(tmp_path):
     stack = tmp_path / "stack"
-    ports = {"s3": _free_port(), "mlflow": _free_port(), "prefect": _free_port()}
+    ports = {"s3": stack_port(), "mlflow": stack_port(), "prefect": stack_port()}
     up = _lmforge("stack", "up", "--dir", str(stack), "--s3-port", str(ports["s3"]), "--mlflow-port",
                   str(ports["mlflow"]), "--prefect-port", str(ports["prefect"]), cwd=tmp_path)
     state = json.loads((stack / "stack.json").read_text()) if (stack / "stack.json").exists() else {}
