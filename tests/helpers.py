@@ -109,6 +109,32 @@ def stack_port() -> int:
                 continue
 
 
+def dask_data_config(tmp: Path, store: str, dask_address: str | None = None, *, name: str = "dask", n: int = 300,
+                     partition_records: int = 50, shard_max_count: int | None = None) -> dict[str, Any]:
+    """ingest -> filter -> dedup -> shard of `n` texts with exact and near duplicates, on the Dask cluster at
+    `dask_address` (or in process): the Dask tests' pipeline."""
+    rows = text_rows(n, prefix="alpha beta gamma delta")
+    rows += rows[:40] + [{"text": r["text"] + " and one more clause at the end"} for r in rows[40:70]]
+    write_jsonl(tmp / "data/text.jsonl", rows)
+    shard = {"kind": "shard", "inputs": ["dedup"], "retries": 0}
+    if shard_max_count is not None:
+        shard["max_count"] = shard_max_count
+    return {
+        "name": name, "store": str(store), "tracking": mlflow_db(tmp / "mlflow.db"),
+        **({"dask_address": dask_address} if dask_address else {}),
+        "datasets": {"text": {"path": "data/text.jsonl", "kind": "text"}},
+        "stages": {
+            "ingest": {"kind": "ingest", "inputs": ["text"], "retries": 0},
+            "filter": {"kind": "filter", "inputs": ["ingest"], "retries": 0, "workers": 2,
+                       "rules": {"length": {"text": {"min_words": 5}}, "gopher_quality": {"enabled": False},
+                                 "gopher_repetition": {"enabled": False}, "c4": {"enabled": False}}},
+            "dedup": {"kind": "dedup", "inputs": ["filter"], "retries": 0, "partition_records": partition_records,
+                      "workers": 2},
+            "shard": shard,
+        },
+    }
+
+
 def write_config(dir: Path, cfg: dict[str, Any], name: str = "pipeline.yaml") -> Path:
     path = dir / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

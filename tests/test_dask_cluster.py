@@ -16,7 +16,7 @@ import pytest
 
 from flows.pipeline import pipeline
 from lmforge.store import ArtifactStore
-from tests.helpers import REPO, text_rows, write_config, write_jsonl
+from tests.helpers import REPO, dask_data_config, write_config
 from trainer.launch import free_port
 
 # slow: each test runs the data pipeline twice through Prefect (local, then on the cluster; the kill test once more),
@@ -28,24 +28,8 @@ DATA_STAGES = ("ingest", "filter", "dedup", "shard")
 
 def data_config(tmp: Path, store: str, dask_address: str | None = None, n: int = 300,
                 partition_records: int = 50) -> dict:
-    """ingest -> filter -> dedup -> shard of `n` texts with exact and near duplicates."""
-    rows = text_rows(n, prefix="alpha beta gamma delta")
-    rows += rows[:40] + [{"text": r["text"] + " and one more clause at the end"} for r in rows[40:70]]
-    write_jsonl(tmp / "data/text.jsonl", rows)
-    return {
-        "name": "dask-cluster", "store": store, "tracking": f"sqlite:///{tmp / 'mlflow.db'}",
-        **({"dask_address": dask_address} if dask_address else {}),
-        "datasets": {"text": {"path": "data/text.jsonl", "kind": "text"}},
-        "stages": {
-            "ingest": {"kind": "ingest", "inputs": ["text"], "retries": 0},
-            "filter": {"kind": "filter", "inputs": ["ingest"], "retries": 0, "workers": 2,
-                       "rules": {"length": {"text": {"min_words": 5}}, "gopher_quality": {"enabled": False},
-                                 "gopher_repetition": {"enabled": False}, "c4": {"enabled": False}}},
-            "dedup": {"kind": "dedup", "inputs": ["filter"], "retries": 0, "partition_records": partition_records,
-                      "workers": 2},
-            "shard": {"kind": "shard", "inputs": ["dedup"], "retries": 0, "max_count": 100},
-        },
-    }
+    return dask_data_config(tmp, store, dask_address, name="dask-cluster", n=n, partition_records=partition_records,
+                            shard_max_count=100)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

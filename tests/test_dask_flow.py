@@ -6,26 +6,7 @@ import pytest
 from flows.pipeline import pipeline
 from lmforge.records import iter_records
 from lmforge.store import ArtifactStore
-from tests.helpers import text_rows, write_config, write_jsonl
-
-
-def data_config(tmp, store, dask_address=None):
-    rows = text_rows(300, prefix="alpha beta gamma delta")
-    rows += rows[:40] + [{"text": r["text"] + " and one more clause at the end"} for r in rows[40:70]]
-    write_jsonl(tmp / "data/text.jsonl", rows)
-    return {
-        "name": "dask", "store": str(store), "tracking": f"sqlite:///{tmp / 'mlflow.db'}",
-        **({"dask_address": dask_address} if dask_address else {}),
-        "datasets": {"text": {"path": "data/text.jsonl", "kind": "text"}},
-        "stages": {
-            "ingest": {"kind": "ingest", "inputs": ["text"], "retries": 0},
-            "filter": {"kind": "filter", "inputs": ["ingest"], "retries": 0, "workers": 2,
-                       "rules": {"length": {"text": {"min_words": 5}}, "gopher_quality": {"enabled": False},
-                                 "gopher_repetition": {"enabled": False}, "c4": {"enabled": False}}},
-            "dedup": {"kind": "dedup", "inputs": ["filter"], "retries": 0, "partition_records": 50, "workers": 2},
-            "shard": {"kind": "shard", "inputs": ["dedup"], "retries": 0},
-        },
-    }
+from tests.helpers import dask_data_config as data_config, write_config
 
 
 @pytest.fixture(scope="module")
