@@ -251,32 +251,6 @@ def test_sft_stage_padding_free_trains_without_padding_like_the_padded_stage(var
     assert abs(packed["train_loss_first"] - padded["train_loss_first"]) < 1e-4
 
 
-@pytest.mark.slow  # SIGKILL and rerun of a streamed sft (three training processes)
-def test_padding_free_streamed_resume_ends_with_the_same_weights(root, kinds_module, tmp_path):
-    import torch
-    from safetensors.torch import load_file
-
-    from tests.helpers import (artifact, chat_rows, plan_of, run_stages, signal_after_first_checkpoint,
-                               train_pipeline, write_jsonl)
-    from tests.test_tokenize import TOK, sft
-
-    stage = sft(method="full", max_steps=30, checkpoint_every_steps=2, evaluate=False, seed=1, packing="padding_free")
-    stages = {"tokens": TOK, "resume": stage}
-    run_stages(root, kinds_module, stages, ["tokens"])
-    plan = plan_of(train_pipeline(root, stages), kinds_module, root)
-    killed_at, _ = signal_after_first_checkpoint(plan, kinds_module, "resume")
-    plan, _ = run_stages(root, kinds_module, stages, ["resume"])
-    resumed = artifact(plan, "resume")
-    assert resumed.result["resumed_from_step"] == killed_at > 0 and resumed.result["padding_fraction"] == 0.0
-    write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(200))  # a second store, same data
-    plan2, _ = run_stages(tmp_path, kinds_module, {"tokens": TOK, "resume": {**stage, "checkpoint_every_steps": None}},
-                          ["ingest", "shard", "tokenizer", "tokens", "resume"])
-    straight = artifact(plan2, "resume")
-    assert straight.id == resumed.id and straight.result["resumed_from_step"] == 0
-    a, b = load_file(f"{resumed.path}/model.safetensors"), load_file(f"{straight.path}/model.safetensors")
-    assert [k for k in a if not torch.equal(a[k], b[k])] == []
-
-
 @pytest.mark.slow  # an sft, then dpo and reward stages packed and padded (five training processes); the default
 #                    in-process tests above check the same forwards and losses
 def test_dpo_and_reward_stages_padding_free_match_the_padded_stages(tmp_path_factory, kinds_module):

@@ -103,13 +103,17 @@ def test_streamed_epochs_become_steps(root, kinds_module):
     assert 1.9 < r["epochs"] < 2.2
 
 
-def test_resumed_streamed_run_ends_with_the_same_weights(root, kinds_module, tmp_path):
+# padding_free is slow (three training processes more); its in-process exactness tests are tests/test_packing.py's
+@pytest.mark.parametrize("packing", [False, pytest.param("padding_free", marks=pytest.mark.slow)],
+                         ids=["padded", "padding_free"])
+def test_resumed_streamed_run_ends_with_the_same_weights(root, kinds_module, tmp_path, packing):
     """SIGKILL after a checkpoint, rerun: the stream skips what the checkpoint consumed and the weights equal an
-    uninterrupted run's, bit for bit."""
+    uninterrupted run's, bit for bit (also with padding-free packing, which trains on no padding at all)."""
     import torch
     from safetensors.torch import load_file
 
-    stage = sft(method="full", max_steps=40, checkpoint_every_steps=2, evaluate=False, seed=1)
+    stage = sft(method="full", max_steps=40, checkpoint_every_steps=2, evaluate=False, seed=1,
+                **({"packing": packing} if packing else {}))
     stages = {"tokens": TOK, "resume": stage}
     run_stages(root, kinds_module, stages, ["tokens"])
     plan = plan_of(train_pipeline(root, stages), kinds_module, root)
@@ -117,9 +121,11 @@ def test_resumed_streamed_run_ends_with_the_same_weights(root, kinds_module, tmp
     plan, _ = run_stages(root, kinds_module, stages, ["resume"])
     resumed = artifact(plan, "resume")
     assert resumed.result["resumed_from_step"] == killed_at > 0
+    if packing:
+        assert resumed.result["padding_fraction"] == 0.0
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(200))  # a second store, same data
     plan2, _ = run_stages(tmp_path, kinds_module, {"tokens": TOK, "resume": {**stage, "checkpoint_every_steps": None}},
-                   ["ingest", "shard", "tokenizer", "tokens", "resume"])
+                          ["ingest", "shard", "tokenizer", "tokens", "resume"])
     straight = artifact(plan2, "resume")
     assert straight.id == resumed.id and straight.result["resumed_from_step"] == 0
     a, b = load_file(f"{resumed.path}/model.safetensors"), load_file(f"{straight.path}/model.safetensors")
