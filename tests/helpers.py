@@ -318,6 +318,20 @@ SFT_FAST = {"max_length_tokens": 64, "batch_size_per_device": 8, "learning_rate"
 TRAIN_DATA = ["ingest", "shard", "tokenizer"]
 
 
+def varied_chat(n: int) -> list[dict]:
+    """Answers from a few words to a long paragraph, as in Alpaca-style data."""
+    import random
+
+    rng = random.Random(1)
+    rows = []
+    for i in range(n):
+        a, b = i % 10, (i * 7 + 3) % 10
+        words = " ".join(["and then"] * rng.choice([0, 0, 1, 2, 4, 8, 14]))
+        rows.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                                  {"role": "assistant", "content": f"{a} plus {b} {words} equals {a + b}."}]})
+    return rows
+
+
 def chat_rows(n: int) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):

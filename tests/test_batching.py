@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lmforge.tracking import Tracker
-from tests.helpers import artifact, chat_store, run_stages, sft
+from tests.helpers import artifact, chat_store, run_stages, sft, varied_chat
 from trainer.batching import LengthGroupedSampler, PaddingMeter, padding_of
 
 
@@ -54,18 +54,6 @@ def test_padding_meter_counts_attention_masks_of_training_batches_only():
     t.compute_loss(model, {"input_ids": torch.zeros(1, 6, dtype=torch.long)})  # a packed block: no padding
     assert (meter.real, meter.computed, meter.fraction) == (11, 14, round(1 - 11 / 14, 4))
     assert meter.result(2.0) == {"padding_fraction": round(3 / 14, 4), "nonpad_tokens_per_s": 5.5}
-
-
-def varied_chat(n: int) -> list[dict]:
-    """Answers from a few words to a long paragraph, as in Alpaca-style data."""
-    rng = random.Random(1)
-    rows = []
-    for i in range(n):
-        a, b = i % 10, (i * 7 + 3) % 10
-        words = " ".join(["and then"] * rng.choice([0, 0, 1, 2, 4, 8, 14]))
-        rows.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                                  {"role": "assistant", "content": f"{a} plus {b} {words} equals {a + b}."}]})
-    return rows
 
 
 @pytest.fixture(scope="module")

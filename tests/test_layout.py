@@ -123,3 +123,15 @@ def test_no_long_modules(folder):
     long = sorted(f"{p.relative_to(ROOT)}: {n}" for p in (ROOT / folder).rglob("*.py")
                   if (n := len(p.read_text().splitlines())) > MAX_LINES)
     assert long == [], f"split these along a real seam (at most {MAX_LINES} lines a module)"
+
+
+def test_no_test_module_imports_another():
+    """What two test modules share lives in tests/helpers.py (or a fixture in tests/conftest.py): an import of one
+    test module by another, at any depth of the file, is found here."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name} imports {n}" for n in names if n.startswith("tests.test_")]
+    assert found == []

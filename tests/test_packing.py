@@ -228,8 +228,7 @@ def test_settings_name_padding_free_and_refuse_bad_combinations():
 
 @pytest.fixture(scope="module")
 def varied_root(tmp_path_factory, kinds_module):
-    from tests.helpers import chat_store
-    from tests.test_batching import varied_chat
+    from tests.helpers import chat_store, varied_chat
 
     return chat_store(tmp_path_factory.mktemp("varied"), kinds_module, varied_chat(240))
 
