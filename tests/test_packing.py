@@ -1,8 +1,9 @@
 """Padding-free packing (`packing: padding_free`: sft, dpo, reward), exact on CPU in fp32.
 
 sft: a micro-batch's rows are concatenated into one row, position_ids restart at 0 for each row and no attention mask
-is passed (TRL's DataCollatorForLanguageModeling(padding_free=True)); transformers then builds the block-diagonal
-causal mask from position_ids for sdpa and eager attention, provided no cache exists (use_cache off in training).
+is passed (TRL's DataCollatorForLanguageModeling(padding_free=True)); transformers builds the block-diagonal causal
+mask from position_ids for sdpa and eager attention, provided no cache exists (use_cache off in training), and the
+training path runs sdpa once per row instead (trainer.batching.packed_sdpa: no compute on the masked pairs).
 dpo and reward: TRL's padded batch, packed inside the model (trainer.batching.PaddingFree) for the policy's and the
 reference's forwards, the head's output put back in the padded layout TRL's losses read.
 
@@ -14,6 +15,7 @@ stages end to end (sft in memory, dpo, reward), and exact resume after SIGKILL o
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -25,14 +27,21 @@ PAD = 0
 
 
 def tiny_llama(attn: str = "sdpa", seed: int = 0):
+    """attn "packed": sdpa switched to trainer.batching.packed_sdpa, as the padding-free training path does."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from trainer.batching import PACKED_SDPA, use_packed_attention
+
     torch.manual_seed(seed)
     cfg = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=VOCAB,
-                      pad_token_id=PAD, attn_implementation=attn)
+                      pad_token_id=PAD, attn_implementation="sdpa" if attn == "packed" else attn)
     assert cfg.use_cache  # the config default: the trap the training path must turn off
-    return LlamaForCausalLM(cfg).float()
+    model = LlamaForCausalLM(cfg).float()
+    if attn == "packed":
+        use_packed_attention(model)
+        assert model.config._attn_implementation == PACKED_SDPA
+    return model
 
 
 def rows(n: int, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -53,17 +62,25 @@ def collate(batch: list[dict], padding_free: bool):
     return DataCollatorForLanguageModeling(pad_token_id=PAD, padding_free=padding_free)(batch)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logits_equal_the_unpacked_rows(attn):
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "packed"])
+def test_packed_logits_equal_the_unpacked_rows(attn, monkeypatch):
     import torch
 
     model = tiny_llama(attn).eval()
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def counted(q, k, v, attn_mask=None, **kw):  # the (query length, masked) of every sdpa call
+        seen.append((q.shape[2], attn_mask is not None))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
     batch = rows(4, seed=1)
     packed = collate(batch, padding_free=True)
     assert set(packed) == {"input_ids", "labels", "position_ids"} and packed["input_ids"].shape[0] == 1
     assert packed["input_ids"].shape[1] == sum(len(r["input_ids"]) for r in batch)  # no padding at all
     with torch.no_grad():
         out = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits[0]
+        packed_calls, seen[:] = list(seen), []
         starts = [0]
         for r in batch:
             starts.append(starts[-1] + len(r["input_ids"]))
@@ -72,9 +89,33 @@ def test_packed_logits_equal_the_unpacked_rows(attn):
             alone = model(input_ids=torch.tensor([r["input_ids"]]), use_cache=False).logits[0]
             worst = max(worst, float((out[a:b] - alone).abs().max()))
         assert worst < 1e-5
+        layers = len(model.model.layers)
+        if attn == "packed":  # each row's own causal attention, unmasked: no score computed across rows
+            assert packed_calls == [(len(r["input_ids"]), False) for r in batch] * layers
+        elif attn == "sdpa":  # one call over the whole row with the block-diagonal mask
+            assert packed_calls == [(starts[-1], True)] * layers
         # the trap: with the config's cache on, the packed-sequence detection is off and rows attend to each other
         cached = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits[0]
-        assert float((cached - out).abs().max()) > 1e-2
+        if attn == "packed":  # packed_sdpa reads the rows from position_ids alone: the trap cannot bite
+            assert torch.equal(cached, out)
+        else:
+            assert float((cached - out).abs().max()) > 1e-2
+
+
+def test_packed_attention_leaves_padded_batches_and_generation_alone():
+    """packed_sdpa only splits packed rows: a padded batch and cached generation give what sdpa gives."""
+    import torch
+
+    sdpa, packed = tiny_llama("sdpa").eval(), tiny_llama("packed").eval()
+    b = collate(rows(4, seed=6), padding_free=False)
+    assert int((b["attention_mask"] == 0).sum()) > 0
+    with torch.no_grad():
+        a, c = (m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+                for m in (sdpa, packed))
+        assert torch.equal(a, c)
+        prompt = torch.tensor([rows(1, seed=7)[0]["input_ids"]])
+        gen = [m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD) for m in (sdpa, packed)]
+    assert torch.equal(gen[0], gen[1])
 
 
 def test_one_packed_step_has_the_padded_steps_loss_and_gradients():
@@ -89,7 +130,7 @@ def test_one_packed_step_has_the_padded_steps_loss_and_gradients():
     assert count(padded) == count(packed) == sum(sum(x != -100 for x in r["labels"][1:]) for r in batch)
     losses, grads = [], []
     for b in (padded, packed):
-        model = tiny_llama("sdpa").train()
+        model = tiny_llama("packed" if b is packed else "sdpa").train()
         loss = model(**b, use_cache=False, num_items_in_batch=torch.tensor(count(b))).loss
         loss.backward()
         losses.append(float(loss.detach()))
@@ -111,7 +152,7 @@ def test_dpo_padding_free_forwards_give_the_padded_losses_and_gradients(tmp_path
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    from trainer.batching import PaddingFree, PaddingMeter
+    from trainer.batching import PaddingMeter, padding_free
     from trainer.tokens import trainer_class
 
     batch = DataCollatorForPreference(pad_token_id=PAD)(pairs(4, seed=5))
@@ -127,8 +168,8 @@ def test_dpo_padding_free_forwards_give_the_padded_losses_and_gradients(tmp_path
             args=DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], beta=0.1,
                            activation_checkpointing=False, precompute_ref_log_probs=False))
         calls = []
-        if packed:
-            PaddingFree(trainer.model), PaddingFree(trainer.ref_model)
+        if packed:  # as the dpo recipe does: PaddingFree hooks and packed_sdpa on the policy and the reference
+            assert padding_free(trainer, SimpleNamespace(packing="padding_free"))
             for core in (trainer.model.model, trainer.ref_model.model):  # after PaddingFree's own pre-hook
                 core.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True)
         meter = PaddingMeter(trainer, packed)
@@ -190,7 +231,7 @@ def _train(tmp_path, packed: bool, steps: int = 24):
                      lr_scheduler_type="constant", activation_checkpointing=False, report_to=[], save_strategy="no",
                      logging_steps=100, disable_tqdm=True, padding_free=packed, max_length=None,
                      assistant_only_loss=False)
-    trainer = SFTTrainer(model=tiny_llama("sdpa"), args=args, processing_class=tok,
+    trainer = SFTTrainer(model=tiny_llama("packed" if packed else "sdpa"), args=args, processing_class=tok,
                          train_dataset=datasets.Dataset.from_list(rows(96, seed=3)),
                          eval_dataset=datasets.Dataset.from_list(rows(24, seed=4)))
     before = trainer.evaluate()["eval_loss"]

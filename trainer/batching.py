@@ -113,8 +113,8 @@ class PaddingFree:
 
     A pre-hook on the backbone (e.g. LlamaModel) takes the right-padded [B, L] input_ids and attention_mask, keeps the
     real tokens as one [1, T] row with position_ids restarting at 0 per row (the padded forward's positions) and
-    passes no attention mask; transformers then builds the block-diagonal causal mask from the position_ids (sdpa,
-    eager; flash-attention reads them). A hook on the head (lm_head, or a reward model's score) scatters its [1, T, X]
+    passes no attention mask; attention stays within each row (`packed_sdpa` for sdpa; eager's block-diagonal mask
+    from the position_ids; flash-attention reads them). A hook on the head (lm_head, or a reward model's score) scatters its [1, T, X]
     output back to [B, L, X], zeros at the padding (which the losses mask). Only forwards without a cache are packed
     (TRL's training and evaluation forwards pass use_cache=False; generation keeps its padded, cached path), so the
     packed-sequence detection is never turned off by a cache. Installed on the policy and, in dpo with a full model,
@@ -167,14 +167,59 @@ def _core_model(model: Any) -> Any:
     raise ValueError(f"no transformers model with a backbone and a head in {type(model).__name__}")
 
 
+PACKED_SDPA = "lmforge_packed_sdpa"
+
+
+def packed_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, position_ids: Any = None,
+                **kwargs: Any) -> tuple[Any, None]:
+    """transformers' sdpa attention, run once per sequence of a packed row.
+
+    A packed row is one [1, T] row whose position_ids restart at 0 for each sequence. sdpa on it takes the
+    block-diagonal causal mask that transformers builds from the position_ids (only when no cache exists), and
+    computes all T x T scores, most of them masked. Here each sequence's queries, keys and values are sliced out and given to sdpa with
+    `is_causal` and no mask: the same result (the masked scores weigh exactly 0) for the sum of the squared sequence
+    lengths instead of T squared, and on CPU torch's fused causal kernel instead of the masked one. Anything else
+    (padded batches, decoding with a cache, rows that do not restart) goes to sdpa unchanged."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (position_ids is not None and position_ids.dim() == 2 and query.shape[0] == 1 and position_ids.shape[0] == 1
+            and query.shape[2] == key.shape[2] == position_ids.shape[1] > 1):
+        starts = (position_ids[0] == 0).nonzero().flatten().tolist()
+        if len(starts) > 1 and starts[0] == 0:
+            ends = starts[1:] + [query.shape[2]]
+            kwargs.pop("is_causal", None)
+            parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                            is_causal=True, **kwargs)[0] for a, b in zip(starts, ends)]
+            return torch.cat(parts, dim=1), None  # [1, T, heads, head_dim], as sdpa returns it
+    return sdpa_attention_forward(module, query, key, value, attention_mask, position_ids=position_ids, **kwargs)
+
+
+def use_packed_attention(model: Any) -> None:
+    """Run `model`'s sdpa attention per packed sequence (`packed_sdpa`). flash-attention reads the position_ids
+    itself and eager keeps its block-diagonal mask; both are left as they are. The setting is not saved with the
+    model (transformers keeps the attention implementation out of config.json)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    if PACKED_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_SDPA, packed_sdpa)
+        AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # padded batches keep sdpa's mask
+    core = _core_model(model)
+    if core.config._attn_implementation == "sdpa":
+        core.set_attn_implementation(PACKED_SDPA)
+
+
 def padding_free(trainer: Any, s: Any) -> bool:
     """With `packing: padding_free` (dpo, reward), pack the forwards of the trainer's model, and of its reference
     model when it holds one of its own; whether it did."""
     if getattr(s, "packing", False) != "padding_free":
         return False
     PaddingFree(trainer.model)
+    use_packed_attention(trainer.model)
     if getattr(trainer, "ref_model", None) is not None:
         PaddingFree(trainer.ref_model)
+        use_packed_attention(trainer.ref_model)
     log.info("padding-free forwards: each micro-batch's rows concatenated, position_ids restarting per row")
     return True
 

@@ -141,8 +141,8 @@ class SftSettings(GroupedBatchSettings):
     packing: bool | Literal["padding_free"] = Field(
         False, description="padding_free: each micro-batch's conversations concatenated into one row (position_ids "
         "restart per conversation, no attention mask), so no compute goes to padding while the rows of a step and "
-        "the loss stay those of the padded step; attention stays within each conversation (sdpa and eager build "
-        "the block-diagonal mask from position_ids, flash-attention reads them directly); group_by_length is "
+        "the loss stay those of the padded step; attention stays within each conversation (sdpa runs once per "
+        "conversation, eager masks across them, flash-attention reads the position_ids); group_by_length is "
         "not needed and is ignored. true: TRL's packing into rows of max_length_tokens (packing_strategy), which "
         "changes how many conversations a step trains on. false: one padded row per conversation.")
     packing_strategy: Literal["bfd", "wrapped"] = Field(

@@ -74,9 +74,10 @@ def train(spec: JobSpec) -> dict[str, Any]:
         targs["max_length"] = None
         # no padding to leave out, and the pad id can be a real token (eos) inside a row: count every token
         targs["include_num_input_tokens_seen"] = "all"
-    # padding-free: TRL's collator concatenates a micro-batch's rows into one, position_ids restarting per row and
-    # no attention mask; SFTTrainer.compute_loss passes use_cache=False, so transformers builds the block-diagonal
-    # mask from position_ids (sdpa, eager) and the loss is the padded step's (per assistant token)
+        # TRL's collator concatenates a micro-batch's rows into one, position_ids restarting per row and no
+        # attention mask; SFTTrainer.compute_loss passes use_cache=False, attention runs per row (packed_sdpa;
+        # eager's block-diagonal mask) and the loss is the padded step's (per assistant token)
+        batching.use_packed_attention(model)
     args = SFTConfig(**targs, packing=s.packing is True, packing_strategy=s.packing_strategy,
                      padding_free=padding_free,
                      assistant_only_loss=s.assistant_only_loss and not (streamed or padding_free))  # rows carry labels
