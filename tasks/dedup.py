@@ -14,7 +14,8 @@ newlines; preference: prompt, chosen and rejected joined by newlines), normalize
 It runs as map -> shuffle -> reduce (`tasks/dedup_find.py`), each step a list of independent tasks
 (`lmforge.parallel`: in-process, a local process pool, or a Dask cluster). Here: the plan (one pass over
 the input notes where every partition of `partition_records` records starts), then the write (one ordered
-pass over the input writes the kept records and the evidence). Partition, bucket and worker counts change
+pass over the input writes the kept records and the evidence). On a remote store (S3) the input is downloaded
+once into the work folder, verified, and all three passes read that copy. Partition, bucket and worker counts change
 how the work is cut, never what is found: the same input gives the same kept set, the same files and the
 same artifact id.
 
@@ -33,7 +34,7 @@ import math
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal
+from typing import IO, Any, ClassVar, Iterator, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -45,7 +46,7 @@ from lmforge.parallel import Mapper, make_mapper
 from lmforge.port import Port
 from lmforge.records import PartWriter, part_names
 from lmforge.stage import Result, StageDef, expect_inputs
-from lmforge.store import Artifact
+from lmforge.store import Artifact, is_local
 from tasks import minhash
 from tasks.dedup_find import Job, Partition, canonical_text, find_duplicates
 
@@ -81,7 +82,8 @@ class DedupConfig(StageConfig):
     dask_address: str | None = Field(
         None, description="Dask scheduler (tcp://host:8786) to run the tasks on, instead of local processes.")
     work_dir: str | None = Field(
-        None, description="Folder for intermediate files (about 3x the text size); every Dask worker must see it "
+        None, description="Folder for intermediate files (about 3x the text size; 4x on a remote store, whose input "
+        "is copied there once); every Dask worker must see it "
         "(a shared filesystem) when the cluster spans machines. Default: next to the staging folder.")
 
     ORCHESTRATION_FIELDS: ClassVar[frozenset[str]] = StageConfig.ORCHESTRATION_FIELDS | {
@@ -123,13 +125,34 @@ class DedupResult(Result):
 # the stage
 
 
-def _plan_partitions(src: Artifact, size: int) -> list[Partition]:
+def _input_copy(src: Artifact, work: Path) -> Path | None:
+    """On a remote store, the input's parts downloaded once into the work folder, each verified against the manifest
+    as it is copied; the plan, the map tasks and the write then read the copy. The three passes would otherwise each
+    download the whole input. None on a local store, which is read in place."""
+    if is_local(src.store.fs):
+        return None
+    folder = work / "input"
+    folder.mkdir()
+    for part in part_names(src):
+        interrupt.check("dedup input copy")
+        (folder / part).parent.mkdir(parents=True, exist_ok=True)
+        with src.open(part) as f, open(folder / part, "wb") as dst:  # the copy is verified when f reaches its end
+            shutil.copyfileobj(f, dst, 1 << 22)
+    return folder
+
+
+def _open_input(src: Artifact, copy: Path | None, part: str) -> IO[bytes]:
+    """A part of the input: the verified local copy, or the store's file verified as it is read."""
+    return open(copy / part, "rb", buffering=1 << 20) if copy else src.open(part)
+
+
+def _plan_partitions(src: Artifact, size: int, copy: Path | None) -> list[Partition]:
     """One pass over the input (verified against its manifest): where every partition starts."""
     out: list[Partition] = []
     start = 0
     progress = Progress(log, f"dedup plan {src.kind}/{src.id}", total=int(src.result.get("records", 0)) or None)
     for part in part_names(src):
-        with src.open(part) as f:
+        with _open_input(src, copy, part) as f:
             offset = first = n = 0
             for line in f:
                 if n == 0:
@@ -175,12 +198,12 @@ def _ascii_line(row: dict[str, Any]) -> bytes:
 
 
 def _find(cfg: DedupConfig, src: Artifact, data_kind: str, parts: list[Partition], n: int, bands: int, rows: int,
-          mapper: Mapper, work: Path) -> dict[str, Any]:
+          mapper: Mapper, work: Path, copy: Path | None) -> dict[str, Any]:
     buckets = cfg.shuffle_buckets or max(2 * mapper.parallelism, math.ceil(n * (bands + 1) / BUCKET_ROWS))
     job = Job(store_url=src.store.url, input_kind=src.kind, input_id=src.id, data_kind=data_kind, work=str(work),
               partitions=len(parts), buckets=buckets, exact=cfg.exact, fuzzy=cfg.fuzzy, ngram=cfg.ngram_words,
               num_perm=cfg.num_perm, seed=cfg.seed, bands=bands, rows=rows, verify=cfg.verify,
-              threshold=cfg.threshold)
+              threshold=cfg.threshold, input_copy=str(copy) if copy else None)
     log.info("dedup: %d records in %d partitions, %d shuffle buckets, %s", n, len(parts), buckets, mapper)
     return find_duplicates(job, parts, mapper)
 
@@ -189,19 +212,21 @@ def run(cfg: DedupConfig, inputs: list[Artifact], out: Path) -> DedupResult:
     src = inputs[0]
     data_kind = str(src.result.get("data_kind") or src.manifest.get("output", {}).get("data_kind") or "text")
     bands, rows = cfg.lsh_shape()
-    parts = _plan_partitions(src, cfg.partition_records)
-    n = sum(p.count for p in parts)
-    if n:
-        preload = [find_duplicates.__module__]  # the module of the mapped tasks
-        with make_mapper(cfg.workers, cfg.dask_address, preload=preload) as mapper, _work_dir(cfg, out) as work:
-            found = _find(cfg, src, data_kind, parts, n, bands, rows, mapper, work)
-    else:  # e.g. everything was filtered out upstream: pass the empty corpus on, shard will explain it
-        log.warning("dedup: input %s/%s holds no records; writing an empty artifact", src.kind, src.id)
-        ints = np.empty(0, np.int64)
-        found = {"removed": ints, "representative": ints, "exact": np.empty(0, bool), "jaccard": np.empty(0),
-                 "pairs": ints.reshape(0, 2), "pair_similarity": np.empty(0), "candidates": 0, "empty": 0,
-                 "cluster_sizes": ints}
-    kept = _write(cfg, src, data_kind, n, found, bands, rows, out)
+    with _work_dir(cfg, out) as work:
+        copy = _input_copy(src, work)
+        parts = _plan_partitions(src, cfg.partition_records, copy)
+        n = sum(p.count for p in parts)
+        if n:
+            preload = [find_duplicates.__module__]  # the module of the mapped tasks
+            with make_mapper(cfg.workers, cfg.dask_address, preload=preload) as mapper:
+                found = _find(cfg, src, data_kind, parts, n, bands, rows, mapper, work, copy)
+        else:  # e.g. everything was filtered out upstream: pass the empty corpus on, shard will explain it
+            log.warning("dedup: input %s/%s holds no records; writing an empty artifact", src.kind, src.id)
+            ints = np.empty(0, np.int64)
+            found = {"removed": ints, "representative": ints, "exact": np.empty(0, bool), "jaccard": np.empty(0),
+                     "pairs": ints.reshape(0, 2), "pair_similarity": np.empty(0), "candidates": 0, "empty": 0,
+                     "cluster_sizes": ints}
+        kept = _write(cfg, src, data_kind, n, found, bands, rows, out, copy)
     sizes = found["cluster_sizes"]
     n_exact = int(found["exact"].sum())
     result = DedupResult(
@@ -217,7 +242,7 @@ def run(cfg: DedupConfig, inputs: list[Artifact], out: Path) -> DedupResult:
 
 
 def _write(cfg: DedupConfig, src: Artifact, data_kind: str, n: int, found: dict[str, Any], bands: int, rows: int,
-           out: Path) -> int:
+           out: Path, copy: Path | None) -> int:
     """One ordered pass over the input: kept records, then removed rows, pairs and the report."""
     removed, reps = found["removed"], found["representative"]
     pairs = found["pairs"]
@@ -231,7 +256,7 @@ def _write(cfg: DedupConfig, src: Artifact, data_kind: str, n: int, found: dict[
     kept = PartWriter(out, cfg.part_records)
     g = 0
     for part in part_names(src):
-        with src.open(part) as f:  # verified against the manifest as it is read
+        with _open_input(src, copy, part) as f:  # verified against the manifest as it is read (or was copied)
             for raw in interrupt.checked(f, "dedup write"):
                 if (m < need_id.size and need_id[m] == g) or g in need_text:
                     rec = json.loads(raw)

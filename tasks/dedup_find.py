@@ -24,7 +24,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -75,6 +75,7 @@ class Job:
     rows: int
     verify: str
     threshold: float
+    input_copy: str | None = None  # a folder with verified copies of the input's parts, read instead of the store
 
     def path(self, index: int, name: str, ext: str = "npy") -> Path:
         """A map output of partition `index` in the work folder."""
@@ -124,13 +125,19 @@ def _load_bucket(job: Job, name: str, bucket: int) -> np.ndarray:
 # 1. map
 
 
-def _read_texts(job: Job, p: Partition) -> list[str]:
-    store = ArtifactStore(job.store_url)
-    path = f"{store.artifact_path(job.input_kind, job.input_id)}/{p.part}"
-    texts = []
+def _open_part(job: Job, store: ArtifactStore, part: str) -> IO[bytes]:
+    if job.input_copy:  # the stage's verified local copy of a remote input (tasks/dedup.py)
+        return open(Path(job.input_copy) / part, "rb", buffering=1 << 20)
     # a buffered reader over the store's file: fsspec's own readline costs more than the read on object storage; a
     # small fsspec block, since its default read-ahead on S3 fetches far past the end of a partition
-    with io.BufferedReader(store.fs.open(path, "rb", block_size=1 << 22), 1 << 20) as f:
+    path = f"{store.artifact_path(job.input_kind, job.input_id)}/{part}"
+    return io.BufferedReader(store.fs.open(path, "rb", block_size=1 << 22), 1 << 20)
+
+
+def _read_texts(job: Job, p: Partition) -> list[str]:
+    store = ArtifactStore(job.store_url)
+    texts = []
+    with _open_part(job, store, p.part) as f:
         f.seek(p.offset)
         for k in range(p.count):
             line = f.readline()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +14,10 @@ from datasketch.hashfunc import sha1_hash32
 
 from lmforge import fingerprint
 from lmforge.config import parse_config
-from lmforge.errors import ConfigError
+from lmforge.errors import ArtifactError, ConfigError
 from lmforge.port import Port
 from lmforge.records import RecordWriter, iter_records
-from lmforge.store import ArtifactStore, artifact_id
+from lmforge.store import Artifact, ArtifactStore, artifact_id
 from tasks import REGISTRY, minhash
 from tasks.dedup import STAGE, DedupConfig, run
 
@@ -265,6 +266,30 @@ def test_dask_local_cluster_gives_the_same_result(store, corpus):
     assert res == res_local == in_worker and res.dropped["near_duplicate"] > 20
     assert art.id == local.id
     assert [r["id"] for r in iter_records(art)] == [r["id"] for r in iter_records(local)]
+
+
+def test_s3_store_reads_its_input_once_and_gives_the_local_bytes(s3, store, corpus, monkeypatch):
+    """On S3 the input is downloaded once (verified) for the plan, the map tasks and the write: every part opened
+    once from the store, not three times; the output equals the local store's byte for byte. A byte flipped in the
+    stored input is caught while it is copied."""
+    texts, _ = corpus
+    records = [{"text": t} for t in texts[:400]]
+    local, _ = dedup(store, publish_records(store, records), workers=2, partition_records=100)
+    remote_store = ArtifactStore(f"s3://lmforge-test/dedup-{uuid.uuid4().hex[:8]}")
+    src = publish_records(remote_store, records)
+    opened = []
+    real_open = Artifact.open
+    monkeypatch.setattr(Artifact, "open", lambda self, rel: opened.append((self.kind, rel)) or real_open(self, rel))
+    remote, _ = dedup(remote_store, src, workers=2, partition_records=100)
+    parts = sorted(p for p in src.files if p.startswith("records/"))
+    assert len(parts) == 3 and sorted(rel for kind, rel in opened if kind == "ingest") == parts
+    assert remote.id == local.id and remote.files == local.files  # same names, sizes and sha256
+    with remote_store.fs.open(f"{src.path}/{parts[1]}", "rb") as f:
+        data = bytearray(f.read())
+    data[10] ^= 1
+    remote_store.fs.pipe_file(f"{src.path}/{parts[1]}", bytes(data))
+    with pytest.raises(ArtifactError, match=parts[1]):
+        dedup(remote_store, src, workers=1)
 
 
 def test_estimate_verification(store, corpus):

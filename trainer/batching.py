@@ -208,6 +208,15 @@ def use_packed_attention(model: Any) -> None:
     core = _core_model(model)
     if core.config._attn_implementation == "sdpa":
         core.set_attn_implementation(PACKED_SDPA)
+    if core.config._attn_implementation in (PACKED_SDPA, "eager"):  # TRL warns about anything but flash-attention
+        logging.getLogger("trl.trainer.sft_trainer").addFilter(_attention_checked)
+        log.info("padding-free: attention per packed row (%s)", core.config._attn_implementation)
+
+
+def _attention_checked(record: logging.LogRecord) -> bool:
+    """Drop TRL's warning that padding-free training may let the rows of a packed batch attend to each other
+    without flash-attention: with packed_sdpa and eager they do not (tests/test_packing.py checks it)."""
+    return "Padding-free training is enabled, but the attention implementation" not in record.getMessage()
 
 
 def padding_free(trainer: Any, s: Any) -> bool:
