@@ -112,12 +112,12 @@ class PaddingFree:
     trainer's loss reads, so TRL's loss code runs unchanged and computes exactly what it computed on the padded batch.
 
     A pre-hook on the backbone (e.g. LlamaModel) takes the right-padded [B, L] input_ids and attention_mask, keeps the
-    real tokens as one [1, T] row with position_ids restarting at 0 per row (the padded forward's positions) and
-    passes no attention mask; attention stays within each row (`packed_sdpa` for sdpa; eager's block-diagonal mask
-    from the position_ids; flash-attention reads them). A hook on the head (lm_head, or a reward model's score) scatters its [1, T, X]
-    output back to [B, L, X], zeros at the padding (which the losses mask). Only forwards without a cache are packed
-    (TRL's training and evaluation forwards pass use_cache=False; generation keeps its padded, cached path), so the
-    packed-sequence detection is never turned off by a cache. Installed on the policy and, in dpo with a full model,
+    real tokens as one [1, T] row with position_ids restarting at 0 per row (the padded forward's positions) and passes
+    no attention mask; attention stays within each row (`packed_sdpa` for sdpa; eager's block-diagonal mask from the
+    position_ids; flash-attention reads them). A hook on the head (lm_head, or a reward model's score) scatters its
+    [1, T, X] output back to [B, L, X], zeros at the padding (which the losses mask). Only forwards without a cache are
+    packed (TRL's training and evaluation forwards pass use_cache=False; generation keeps its padded, cached path), so
+    the packed-sequence detection is never turned off by a cache. Installed on the policy and, in dpo with a full model,
     on the reference copy too.
     """
 
@@ -175,11 +175,11 @@ def packed_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: A
     """transformers' sdpa attention, run once per sequence of a packed row.
 
     A packed row is one [1, T] row whose position_ids restart at 0 for each sequence. sdpa on it takes the
-    block-diagonal causal mask that transformers builds from the position_ids (only when no cache exists), and
-    computes all T x T scores, most of them masked. Here each sequence's queries, keys and values are sliced out and given to sdpa with
-    `is_causal` and no mask: the same result (the masked scores weigh exactly 0) for the sum of the squared sequence
-    lengths instead of T squared, and on CPU torch's fused causal kernel instead of the masked one. Anything else
-    (padded batches, decoding with a cache, rows that do not restart) goes to sdpa unchanged."""
+    block-diagonal causal mask that transformers builds from the position_ids (only when no cache exists), and computes
+    all T x T scores, most of them masked. Here each sequence's queries, keys and values are sliced out and given to
+    sdpa with `is_causal` and no mask: the same result (the masked scores weigh exactly 0) for the sum of the squared
+    sequence lengths instead of T squared, and on CPU torch's fused causal kernel instead of the masked one. Anything
+    else (padded batches, decoding with a cache, rows that do not restart) goes to sdpa unchanged."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
