@@ -4,14 +4,15 @@ killed in the middle of dedup costs nothing (its tasks run again on the other wo
 complete and verified). tests/test_dask_flow.py covers the same flow on an in-process LocalCluster."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from flows.pipeline import pipeline
@@ -33,19 +34,27 @@ def data_config(tmp: Path, store: str, dask_address: str | None = None, n: int =
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """Each process by its PID, with whatever it started; the last started first."""
-    for p in reversed(procs):
-        if p.poll() is not None:
-            continue
-        children = psutil.Process(p.pid).children(recursive=True)
-        p.terminate()
+    """Each process group by its leader's PID, the last started first. Every process here starts its own session, and
+    what it starts joins its group, so this also stops what a worker started after the worker itself was killed (the
+    kill test's worker leaves its Prefect API server behind, orphaned)."""
+    def alive(group: int) -> bool:
         try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    for p in reversed(procs):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        for c in psutil.wait_procs(children, timeout=5)[1]:
-            c.kill()
+        deadline = time.monotonic() + 10
+        while alive(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 @pytest.fixture(scope="module")
