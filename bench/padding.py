@@ -16,7 +16,8 @@ A  lmforge (grouped): ingest (the Alpaca layout read as is) -> shard -> tokenize
    `lmforge run` runs it: the rows tokenized once, streamed by the training child process in length-grouped
    micro-batches (the default), checkpoints and metrics as usual; `--no-tokenize`: shard -> sft, tokenized in memory.
 P  lmforge (packed): the same stages with `packing: padding_free` on the sft stage: each micro-batch of 4 rows
-   concatenated into one row without padding (position_ids restart per row, no attention mask).
+   concatenated into one row without padding (position_ids restart per row, no attention mask; sdpa runs once per
+   row, trainer.batching.packed_sdpa).
 B  plain: a fresh python running `plain_script()`: the same jsonl converted to messages, the same folder, SFTConfig
    with the same settings and the Trainer's random order (what a user's script gets).
 All train one epoch over the same rows, so they see the same non-pad tokens (checked). Reported per side:
