@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -139,11 +138,7 @@ def _model_folder(artifact: Artifact, files: list[str], staged: Path | None) -> 
         yield staged
         return
     with tempfile.TemporaryDirectory(prefix="lmforge-register-") as tmp:
-        for rel in files:
-            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-            with artifact.open_verified(rel) as src, open(Path(tmp) / rel, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        yield Path(tmp)
+        yield artifact.download(Path(tmp), files)
 
 
 def _describe_base(sp: StagePlan, result: dict[str, Any]) -> str:

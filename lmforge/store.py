@@ -19,7 +19,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 import fsspec
 
@@ -193,6 +193,16 @@ class Artifact:
         e = self._entry(rel)
         with self._open_raw(rel) as f:
             return read_verified(f, e["bytes"], e["sha256"], lambda n, h: self.mismatch(rel, (n, h)))
+
+    def download(self, dest: Path, files: Iterable[str] | None = None) -> Path:
+        """Copy `files` (default: every file) to `dest`/<path>, one read each, hashed as it streams: a file that does
+        not match the manifest raises at its end, leaving `dest` for the caller to discard."""
+        for rel in self.files if files is None else files:
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self.open(rel) as src, open(target, "wb") as f:
+                shutil.copyfileobj(src, f, 1 << 22)
+        return dest
 
     def verify(self) -> None:
         """Check every file's size and sha256 (reads everything)."""

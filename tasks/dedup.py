@@ -132,12 +132,9 @@ def _input_copy(src: Artifact, work: Path) -> Path | None:
     if is_local(src.store.fs):
         return None
     folder = work / "input"
-    folder.mkdir()
     for part in part_names(src):
         interrupt.check("dedup input copy")
-        (folder / part).parent.mkdir(parents=True, exist_ok=True)
-        with src.open(part) as f, open(folder / part, "wb") as dst:  # the copy is verified when f reaches its end
-            shutil.copyfileobj(f, dst, 1 << 22)
+        src.download(folder, [part])
     return folder
 
 

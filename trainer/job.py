@@ -172,11 +172,7 @@ def materialize(ref: ArtifactRef, work_dir: Path, verify: bool = True) -> Path:
                         art.uri, dest, str(e).split(". ", 1)[0])
     shutil.rmtree(dest, ignore_errors=True)
     wanted = [rel for rel, e in art.files.items() if limit is None or e["bytes"] <= limit]
-    for rel in wanted:
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with art.open(rel) as src, open(target, "wb") as f:  # hashed as it streams; a mismatch raises at EOF
-            shutil.copyfileobj(src, f, 1 << 20)
+    art.download(dest, wanted)  # hashed as it streams; a mismatch raises at EOF
     if verify:
         (dest / ".complete").touch()  # every file is here and matched
     log.info("downloaded %s (%d of %d files) to %s, verified", art.uri, len(wanted), len(art.files), dest)
