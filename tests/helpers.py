@@ -35,6 +35,18 @@ from lmforge.store import ArtifactStore
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+def one_thread_per_test(stages: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """`{stage: 1}` for each stage of `stages` set to more than one math thread (`cpu_threads`), when the suite runs
+    on more than one pytest-xdist worker, else `{}`: there each worker has a core, and a 2-thread training process
+    beside the other worker's test waits at every parallel region for its preempted second thread (the demo's sft
+    ran 12 minutes and did not finish, against about two alone; docs/results.md#suite). The demo's bands hold for 1
+    and 2 threads (bench/demo_sweep.py sweeps both), so a parallel run checks them at 1 and `TEST_WORKERS=0` at the
+    shipped settings."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1:
+        return {}
+    return {name: 1 for name, s in stages.items() if int(s.get("cpu_threads") or 1) > 1}
+
 # ----------------------------------------------------------------------------------------------
 # files and configs
 

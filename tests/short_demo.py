@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import REPO, mlflow_db, prefect_home
+from tests.helpers import REPO, mlflow_db, one_thread_per_test, prefect_home
 
 TRAINED = ("tokenizer", "pretrain", "sft", "reward", "dpo", "ppo")
 SHORT = {"pretrain": {"max_steps": 30, "checkpoint_every_steps": 10},
@@ -26,6 +26,8 @@ def write(dir: Path) -> Path:
         d["path"] = [str(REPO / p) for p in d["path"]] if isinstance(d["path"], list) else str(REPO / d["path"])
     for name, over in SHORT.items():
         cfg["stages"][name].update(over)
+    for name, threads in one_thread_per_test(cfg["stages"]).items():
+        cfg["stages"][name]["cpu_threads"] = threads
     cfg["store"], cfg["tracking"] = str(dir / "artifacts"), mlflow_db(dir / "mlflow.db")
     path = dir / "demo.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -15,7 +15,7 @@ from flows.cli import main
 from lmforge.config import load_config
 from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore
-from tests.helpers import REPO
+from tests.helpers import REPO, one_thread_per_test
 
 DEMO = REPO / "configs" / "demo.yaml"
 SMOLLM2 = REPO / "configs" / "smollm2_lora.yaml"
@@ -89,9 +89,11 @@ def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
     store = tmp_path / "artifacts"
     summary_path = tmp_path / "summary.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    threads = [f"stages.{name}.cpu_threads={n}"
+               for name, n in one_thread_per_test(yaml.safe_load(DEMO.read_text())["stages"]).items()]
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(DEMO), "-o", f"store={store}",
-                           "-o", f"tracking=sqlite:///{tmp_path / 'm.db'}", "--json", str(summary_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True)
+                           "-o", f"tracking=sqlite:///{tmp_path / 'm.db'}", *(a for t in threads for a in ("-o", t)),
+                           "--json", str(summary_path)], cwd=tmp_path, env=env, capture_output=True, text=True)
     summary = json.loads(summary_path.read_text())
     arts = ArtifactStore(str(store))
     ev = arts.require("eval", summary["stages"]["eval"]["artifact_id"]).result  # published also when it failed
