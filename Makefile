@@ -35,8 +35,11 @@ $(STAMP): requirements/lock.txt pyproject.toml
 demo: setup
 	$(BIN)/lmforge run configs/demo.yaml
 
+# The default suite on TEST_WORKERS pytest-xdist workers, a file at a time, longest files first (tests/conftest.py);
+# TEST_WORKERS=0 runs it in this one process. The 10 slowest tests and the suite's time close the output.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -m "not slow" -q --durations=60
+	$(BIN)/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 test-all: setup
 	$(BIN)/python -m pytest -q
