@@ -449,8 +449,31 @@ def write_model_info(out: Path, *, method: Method, base: Resolved, base_ref: Art
         else:
             info["base"] = base.to_json()
     tokenizer.save_pretrained(out)
+    _base_by_name(out, info)
     (out / MODEL_INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
     return info
+
+
+def _base_by_name(out: Path, info: dict[str, Any]) -> None:
+    """peft writes the folder the base was loaded from into `adapter_config.json` (`base_model_name_or_path`): a
+    path of the machine that trained it, which no other machine has. It becomes a name for what lmforge_model.json
+    records: the base artifact by kind and id, the hub id, the GGUF file or base folder by name, or the base saved
+    beside the adapter."""
+    path = out / "adapter_config.json"
+    if not path.is_file():
+        return
+    base = info.get("base", {})
+    if base.get("kind") == "artifact_ref":
+        name = f"lmforge:{base['ref']['kind']}/{base['ref']['id']}"
+    elif base.get("kind") == "saved":
+        name = f"./{BASE_DIR}"
+    elif base.get("hub_id"):
+        name = base["hub_id"]
+    else:  # a GGUF file in a package, a local folder: by name, not by where it lies here
+        name = Path(base.get("gguf_file") or base.get("path") or "").name or None
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_trained(folder: Path, work_dir: Path | None = None):
