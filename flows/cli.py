@@ -1,8 +1,9 @@
 """`lmforge` command line: validate, plan, estimate, run, artifacts ls/show, gc, stack, deploy, status, rerun, worker,
-preflight, compare, join.
+preflight, compare, join, export, generate.
 
 Each command lives with its parser in its own module (flows/run_cmd.py, estimate.py, store_cmd.py, stack.py,
-deploy.py, status.py, worker.py, preflight_cmd.py, compare_cmd.py, join_cmd.py); `build_parser` puts them together.
+deploy.py, status.py, worker.py, preflight_cmd.py, compare_cmd.py, join_cmd.py, export_cmd.py); `build_parser` puts
+them together.
 Exit codes: 0 success, 1 a stage failed, 2 bad config, bad data (found while planning or inside a stage, a damaged
 artifact too) or bad usage, 3 interrupted (SIGTERM/SIGINT, or the flow run cancelled through Prefect:
 training checkpointed; rerun the same command to resume).
@@ -20,8 +21,8 @@ import sys
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from flows import (compare_cmd, deploy, estimate, join_cmd, preflight_cmd, run_cmd, stack, status,  # noqa: E402
-                   store_cmd, worker)
+from flows import (compare_cmd, deploy, estimate, export_cmd, join_cmd, preflight_cmd, run_cmd, stack,  # noqa: E402
+                   status, store_cmd, worker)
 from lmforge.errors import ConfigError, LmforgeError  # noqa: E402
 from lmforge.log import setup_logging  # noqa: E402
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     preflight_cmd.add_parser(sub)
     compare_cmd.add_parser(sub)
     join_cmd.add_parser(sub)
+    export_cmd.add_parsers(sub)  # export, generate
     return p
 
 
