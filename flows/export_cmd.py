@@ -87,32 +87,15 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def generate(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """Greedy answers, each prompt as one user turn through the model's chat template (raw text without one)."""
-    import torch
-
-    out = []
-    for p in prompts:
-        if tok.chat_template:
-            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)
-        else:
-            ids = tok(p, return_tensors="pt")
-        with torch.no_grad():
-            gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        out.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
-    return out
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    from trainer.generations import generate
     from trainer.models import load_trained
 
     prompts = _prompts(args)
     with tempfile.TemporaryDirectory(prefix="lmforge-generate-") as tmp:
         folder, _ = _source_folder(args, Path(tmp))
         model, tok = load_trained(folder, Path(tmp) / "work")
-    answers = generate(model.eval(), tok, prompts, args.max_new_tokens)
+    answers = generate(model, tok, prompts, args.max_new_tokens)  # the greedy answers lmforge's reports show
     if args.json is None:
         print(answers[0])
     else:

@@ -157,7 +157,7 @@ def test_machine_paths_finds_a_planted_path(tmp_path):
 
 def test_export_and_generate_commands(root, lora_art, tmp_path, capsys):
     from flows.cli import main
-    from flows.export_cmd import generate
+    from trainer.generations import generate
     from trainer.models import load_trained
 
     store = str(root / "artifacts")
@@ -167,7 +167,7 @@ def test_export_and_generate_commands(root, lora_art, tmp_path, capsys):
     assert said.startswith(f"exported {lora_art.id[:10]} (lora, causal_lm, float32) to {out}: ") and \
         "model.safetensors" in said
     model, tok = load_trained(out)
-    expected = generate(model.eval(), tok, PROMPTS[:3], 6)
+    expected = generate(model, tok, PROMPTS[:3], 6)
     # generate reads an artifact id, a folder (the export) alike: the same greedy answers
     assert main(["generate", lora_art.id[:10], PROMPTS[0], "--store", store, "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out == expected[0] + "\n"
