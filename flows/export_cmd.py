@@ -45,20 +45,22 @@ def _source_folder(args: argparse.Namespace, tmp: Path) -> tuple[Path, Artifact 
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tasks.card import model_card
-    from trainer.export import ExportError, export_model, machine_paths
+    from tasks.card import NEWEST
+    from tasks.export import make_export
+    from trainer.errors import SettingError
 
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="lmforge-export-") as tmp:
         folder, art = _source_folder(args, Path(tmp))
-        got = export_model(folder, out, dtype=args.dtype, work_dir=Path(tmp) / "work")
-        if art is not None:  # the card, from the store's artifacts: lineage, settings, the eval that scored it
-            (out / "README.md").write_text(model_card(art.store, art, intended_use=args.intended_use or "",
-                                                      license=args.license))
-            leaks = machine_paths(out, [folder, Path(tmp)])
-            if leaks:
-                raise ExportError("the model card names paths of this machine: " + "; ".join(leaks[:5]))
-            got["files"] = sorted({*got["files"], "README.md"})
+        if art is not None and art.kind == "export":  # already standalone: its files as the store has them
+            if out.exists() and any(out.iterdir()):
+                raise SettingError("out", f"{out} is not empty; export into a new folder")
+            art.download(out)
+            got = {**art.result, "files": sorted(art.files)}
+        else:
+            got = make_export(art if art is not None else folder, out, dtype=args.dtype,
+                              max_new_tokens=args.max_new_tokens, evaluation=NEWEST,
+                              intended_use=args.intended_use or "", license=args.license)
     print(f"exported {args.source} ({got['source_method']}, {got['architecture']}, {got['dtype']}) to {args.out}: "
           f"{', '.join(got['files'])}")
     return 0
@@ -106,13 +108,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def add_parsers(sub) -> None:
     e = sub.add_parser("export", help="write a trained model as a standalone folder (adapters merged, safetensors, "
-                                      "tokenizer with chat template, generation config) that plain transformers loads")
+                                      "tokenizer with chat template, generation config, model card, MLflow model) "
+                                      "that plain transformers and MLflow load")
     e.add_argument("source", help="artifact id (or prefix), models:/NAME@ALIAS, or a model folder")
     e.add_argument("out", help="the folder to write (new or empty)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the exported weights (default float32)")
     e.add_argument("--intended-use", help="the model card's intended use and limits (an artifact source gets a card)")
     e.add_argument("--license", default="unknown", help="the model card's license (default: unknown)")
+    e.add_argument("--max-new-tokens", type=int, default=64,
+                   help="longest answer the MLflow model serves by default (default 64)")
     _add_store_args(e)
     e.set_defaults(fn=cmd_export)
 

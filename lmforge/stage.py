@@ -104,6 +104,10 @@ class StageDef:
     #: inputs: what link hooks can know of a stage before ports exist (a tokenize stage tells its tokenizer and
     #: model inputs from its data inputs by it). parse_config checks it against output_port's answer.
     output_type: str | None = None
+    #: the stage loads models in the flow's own process (eval, export, a preflight's reload), not in a training
+    #: child: the executor runs such stages one at a time per process (`executor.MODELS_HERE`), since transformers'
+    #: loading is not thread-safe (an export loaded beside an eval came out with meta tensors)
+    loads_models_here: bool = False
 
 
 def expect_inputs(inputs: list[Port], stage: str, *, count: int | None = None, types: set[str],

@@ -126,6 +126,13 @@ def folder_fingerprint(folder: Path) -> str | None:
     return "sha256:" + h.hexdigest()[:32]
 
 
+def contents_digest(manifest: dict[str, Any]) -> str:
+    """sha256 over an artifact's files (path and sha256 of each): what its bytes were, in 16 hex digits."""
+    files = sorted((f["path"], f["sha256"]) for f in manifest.get("files", []))
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+
+
+
 class Artifact:
     """A finished artifact, read through its manifest."""
 

