@@ -30,7 +30,7 @@ from prefect.states import Cancelled  # noqa: E402
 from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
 from flows import flowrun  # noqa: E402
-from lmforge import gc, interrupt, preflight, provenance, runview  # noqa: E402
+from lmforge import gc, interrupt, preflight, provenance, publish, runview  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
 from lmforge.errors import ArtifactError, ConfigError, DataError, LmforgeError, StageFailed  # noqa: E402
 from lmforge.executor import RunContext, execute_stage  # noqa: E402
@@ -259,8 +259,13 @@ def pipeline(config_path: str, overrides: list[str] | None = None, force: list[s
             "stages": stages,
         }
         counts = {"stages_ran": summary["ran"], "stages_cached": summary["cached"], "stages_failed": summary["failed"]}
-        runview.finish_parent(tracker, parent, plan, stages, counts, time.monotonic() - started,
-                              promote=not failures and not interrupt.requested())
+        promote = not failures and not interrupt.requested()
+        runview.finish_parent(tracker, parent, plan, stages, counts, time.monotonic() - started, promote=promote)
+        if promote:  # the export stages' folders to their publish_to, once the gates passed (lmforge/publish.py)
+            summary["published"] = publish.publish_exports(plan, stages)
+            if summary["published"]:
+                tracker.set_tags(parent, {"lmforge.published": ", ".join(f"{k}: {v}" for k, v in
+                                                                          summary["published"].items())})
         tracker.end_run(parent, "KILLED" if interrupt.requested() else "FAILED" if failures else "FINISHED")
         if interrupt.requested():
             stopped = ", ".join(n for n, s in stages.items() if s["status"] == "failed") or "none"

@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,10 @@ class RunContext:
     tracker: Tracker | None = None
     parent_run_id: str | None = None
     flow_run: dict[str, str] = field(default_factory=dict)  # id, name of the Prefect flow run
+
+
+#: held while a stage that loads models in this process runs (StageDef.loads_models_here)
+MODELS_HERE = threading.Lock()
 
 
 def _stage_tags(ctx: RunContext, sp: StagePlan) -> dict[str, str]:
@@ -81,32 +86,42 @@ def _input_entry(ctx: RunContext, name: str) -> dict[str, Any]:
 
 def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: str | None, ran: bool,
                     staged: Path | None = None) -> None:
-    """A model artifact becomes a version of the registered model `<pipeline>-<stage>` that holds the model only
-    (`tracking.model_files`: weights, config, tokenizer, chat template, model card; no checkpoints, no manifest): the
-    files go into the stage's MLflow run under `model/` (hard links when MLflow's artifacts are a local folder) and
-    the version is registered from `runs:/<run_id>/model`, once per artifact. `staged`: the stage's staging folder,
-    still holding the files just uploaded to an object store (no download). Alias `@candidate` points at it when the
-    stage made it (`ran`); a cached stage sets it only where the model has none yet (or where it points at an earlier
-    registration of the same artifact), so a rerun of an older config never moves it back. `@champion` is moved by
-    the flow, at the end of a run whose eval gates passed (`runview.promote_champions`)."""
-    if ctx.tracker is None or sp.port is None or sp.port.type != "model" or run_id is None:
+    """An export stage's artifact (`tasks/export.py`: the standalone model, an MLflow model itself) becomes a version
+    of the registered model `<pipeline>-<registered_model>` (default: the exported stage's name), holding the model
+    only (`tracking.model_files`: weights, config, tokenizer, chat template, card, MLmodel and its components; no
+    manifest): the files go into the stage's MLflow run under `model/` (hard links when MLflow's artifacts are a
+    local folder) and the version is registered from `runs:/<run_id>/model`, once per artifact and model digest.
+    Training stages are not registered: an adapter is not a model anyone else can load. `staged`: the stage's
+    staging folder, still holding the files just uploaded to an object store (no download). Alias `@candidate` points
+    at it when the stage made it (`ran`); a cached stage sets it only where the model has none yet (or where it
+    points at an earlier registration of the same artifact), so a rerun of an older config never moves it back.
+    `@champion` is moved by the flow, at the end of a run whose eval gates passed (`runview.promote_champions`)."""
+    if ctx.tracker is None or sp.kind != "export" or run_id is None:
         return
     result = artifact.result or {}
     cfg = ctx.plan.cfg
-    name = registered_model_name(cfg.name, sp.name)
+    sc = cfg.stages[sp.name]
+    source = ctx.plan.stages[sc.exported_stage()]
+    name = registered_model_name(cfg.name, sc.model_name())
     tags = {"lmforge.artifact_id": sp.artifact_id, "lmforge.artifact_uri": artifact.uri,
-            "lmforge.pipeline": cfg.name, "lmforge.stage": sp.name, "lmforge.method": sp.settings.get("method", ""),
+            "lmforge.pipeline": cfg.name, "lmforge.stage": source.name, "lmforge.export_stage": sp.name,
+            "lmforge.source_artifact": result.get("source", ""), "lmforge.method": result.get("source_method", ""),
+            "lmforge.dtype": result.get("dtype", ""), "lmforge.evaluation": result.get("evaluation") or "",
             "lmforge.git_commit": artifact.manifest.get("git_commit", "") or "",
             "lmforge.source_run_id": artifact.manifest.get("produced_by", {}).get("mlflow_run_id", "") or ""}
-    description = (f"{sp.port.data_kind or 'policy'} model made by the {sp.kind} stage '{sp.name}' of pipeline "
-                   f"'{cfg.name}': method {sp.settings.get('method') or sp.kind}, base {_describe_base(sp, result)}, "
-                   f"inputs {', '.join(sp.inputs) or '-'}. Each version is one artifact in the store, its model "
-                   "files only; @candidate is the newest one a run made, @champion the newest one whose run passed "
-                   "its eval gates.")
+    what = "reward model (a sequence classifier)" if source.port and source.port.data_kind == "reward" else "model"
+    description = (f"Standalone {what} of the {source.kind} stage '{source.name}' of pipeline '{cfg.name}' "
+                   f"(method {source.settings.get('method') or source.kind}, base "
+                   f"{_describe_base(source, ctx.plan.store.get(source.kind, source.artifact_id))}), exported by "
+                   f"stage '{sp.name}': merged {result.get('dtype', '')} weights, tokenizer, model card (README.md) "
+                   "and MLflow transformers flavor; `mlflow models serve` serves it. Each version is one export "
+                   "artifact in the store; @candidate is the newest one a run made, @champion the newest one whose "
+                   "run passed its eval gates.")
     files = model_files(list(artifact.files))
-    # the model's bytes: a forced rerun that trained other weights under the same artifact id gets its own version
+    # the model's bytes: a forced rerun that trained other weights under the same artifact id gets its own version.
+    # Not the card: it names the runs that made the model, so a forced rerun to identical weights rewrites it
     tags["lmforge.model_digest"] = hashlib.sha256(json.dumps(
-        [[f, artifact.files[f]["sha256"]] for f in files]).encode()).hexdigest()[:16]
+        [[f, artifact.files[f]["sha256"]] for f in files if f != "README.md"]).encode()).hexdigest()[:16]
     tr = ctx.tracker
     try:
         version = tr.model_version(name, sp.artifact_id, digest=tags["lmforge.model_digest"])
@@ -141,8 +156,9 @@ def _model_folder(artifact: Artifact, files: list[str], staged: Path | None) -> 
         yield artifact.download(Path(tmp), files)
 
 
-def _describe_base(sp: StagePlan, result: dict[str, Any]) -> str:
+def _describe_base(sp: StagePlan, artifact: Artifact | None) -> str:
     """The model a training stage starts from, in a few words: a hub id, a package GGUF, a folder, or a config."""
+    result = (artifact.result if artifact is not None else None) or {}
     base = sp.settings.get("base_model")
     if isinstance(base, dict):
         if base.get("hub"):
@@ -290,7 +306,8 @@ def _build(ctx: RunContext, name: str, held: Lease) -> dict[str, Any]:
                 run = sdef.run
             monitoring.stage_running(plan.cfg.name, name)
             try:
-                result = run(sc, inputs, out)
+                with MODELS_HERE if sdef.loads_models_here else contextlib.nullcontext():
+                    result = run(sc, inputs, out)
             except FailedAfterPublish as e:  # complete output that fails a check: publish, then fail
                 failure, result = e, e.result
             seconds = time.monotonic() - t0

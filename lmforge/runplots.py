@@ -89,7 +89,7 @@ def loss_curves_png(tracker: Tracker, plan: Plan, path: Path) -> list[str]:
     """Every training stage's losses, from the run that made its artifact, on one figure (loss_figure)."""
     sources = {}
     for name, sp in plan.stages.items():
-        if sp.port is None or sp.port.type != "model":
+        if sp.port is None or sp.port.type != "model" or sp.kind == "export":  # an export trains nothing
             continue
         art = plan.store.get(sp.kind, sp.artifact_id)
         source = art.manifest.get("produced_by", {}).get("mlflow_run_id") if art is not None else None

@@ -129,7 +129,7 @@ def run_settings(client, run) -> dict[str, str]:
 def key_params(plan: Plan, flat: dict[str, str]) -> dict[str, str]:
     """KEY_SETTINGS of every training stage (whose output is a model), from the flattened settings."""
     keys = {f"{n}.{k}" for n, sp in plan.stages.items() if sp.port is not None and sp.port.type == "model"
-            for k in KEY_SETTINGS}
+            and sp.kind != "export" for k in KEY_SETTINGS}
     return {k: v for k, v in flat.items() if k in keys}
 
 
@@ -233,7 +233,8 @@ def summary_metrics(plan: Plan, stages: dict[str, dict[str, Any]], wall_seconds:
         metrics["summary/gates_failed"] += sum(1 for g in gates if not g.get("passed"))
         metrics["summary/expectations_failed"] += float(result.get("expectations_failed", 0))
     for name, sp in plan.stages.items():
-        if sp.port is not None and sp.port.type == "model" and stages.get(name, {}).get("status") != "failed":
+        if sp.port is not None and sp.port.type == "model" and sp.kind != "export" and \
+                stages.get(name, {}).get("status") != "failed":
             art = _artifact(plan, name)
             tokens = (art.result or {}).get("tokens") if art is not None else None
             if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
@@ -277,23 +278,28 @@ def headline_metrics(plan: Plan, metrics: dict[str, float]) -> dict[str, float]:
 # the end of a run
 
 
-def promote_champions(tracker: Tracker, plan: Plan, stages: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Move `@champion` of every trained stage of this run to this run's version, when the run has an eval stage and
-    every eval stage finished (ran or cached) with all its gates passed. The version is the one this run evaluated,
-    so a cached run moves it only to a version that passed in this run. Returns {registered model: version}."""
+def gates_passed(plan: Plan, stages: dict[str, dict[str, Any]]) -> bool:
+    """The run has an eval stage, and every eval stage finished (ran or cached) with all its gates passed."""
     evals = [n for n, sp in plan.stages.items() if sp.kind == "eval"]
-    if not evals:
-        return {}
     for name in evals:
         art = _artifact(plan, name)
         if stages.get(name, {}).get("status") not in ("ran", "cached") or art is None or \
                 art.manifest.get("failure") or art.result.get("gates_failed", 1):
-            return {}
+            return False
+    return bool(evals)
+
+
+def promote_champions(tracker: Tracker, plan: Plan, stages: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Move `@champion` of every exported model of this run to this run's version, when the run has an eval stage and
+    every eval stage finished (ran or cached) with all its gates passed. The version is the one this run evaluated,
+    so a cached run moves it only to a version that passed in this run. Returns {registered model: version}."""
+    if not gates_passed(plan, stages):
+        return {}
     moved = {}
-    for name, sp in plan.stages.items():
-        if sp.port is None or sp.port.type != "model" or stages.get(name, {}).get("status") not in ("ran", "cached"):
+    for name, sp in plan.stages.items():  # what the registry holds: the export stages' models (tasks/export.py)
+        if sp.kind != "export" or stages.get(name, {}).get("status") not in ("ran", "cached"):
             continue
-        model = registered_model_name(plan.cfg.name, name)
+        model = registered_model_name(plan.cfg.name, plan.cfg.stages[name].model_name())
         version = tracker.model_version(model, sp.artifact_id)
         if version is not None:
             tracker.set_alias(model, "champion", version)

@@ -119,17 +119,20 @@ def _process_tags() -> dict[str, str]:
 MODEL_DIR = "model"  # a model version's files, in its MLflow run's artifacts
 MODEL_ONLY = "model"  # tag lmforge.contents of a version that holds the model files only
 #: The files of a model artifact that make up the model: weights (full or adapter, sharded or not, GGUF), config,
-#: tokenizer, chat template and model card (lmforge_model.json, README.md). Not: checkpoints, manifest, leases,
-#: history, or a stage's reports beside the model (ppo's heldout_generations.json).
+#: tokenizer, chat template and model card (lmforge_model.json, README.md), and an export's MLflow model files
+#: (MLmodel, its environment files and components/). Not: checkpoints, manifest, leases, history, or a stage's
+#: reports beside the model (ppo's heldout_generations.json).
 MODEL_FILE = re.compile(r"(config|generation_config|adapter_config|tokenizer|tokenizer_config|special_tokens_map"
                         r"|added_tokens|vocab|preprocessor_config|lmforge_model)\.json|(model|pytorch_model"
                         r"|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)|(model|pytorch_model)\.(safetensors|bin)"
                         r"\.index\.json|tokenizer\.model|vocab\.txt|merges\.txt|chat_template\.(jinja|json)"
-                        r"|README\.md|[^/]+\.gguf")
+                        r"|README\.md|[^/]+\.gguf|MLmodel|conda\.yaml|python_env\.yaml|requirements\.txt"
+                        r"|components/[^/]+/[^/]+")
 
 
 def model_files(paths: list[str]) -> list[str]:
-    """Of an artifact's files (paths relative to it), those of the model (`MODEL_FILE`, top level only), sorted."""
+    """Of an artifact's files (paths relative to it), those of the model (`MODEL_FILE`: top level only, but for an
+    MLflow model's components/), sorted."""
     return sorted(p for p in paths if MODEL_FILE.fullmatch(p))
 
 

@@ -609,3 +609,11 @@ def assert_stopped_then_resumed(tmp_path: Path, proc: subprocess.Popen, family: 
     assert result["resumed_from_step"] > 0  # the step it stopped at: saved on SIGTERM at the end of that step
     assert result["steps"] == max_steps
     return out
+
+
+def card_cells(card: str, metric: str) -> dict[str, tuple[float, float]]:
+    """{model: (value, stderr)} of one row of the card's eval table, read back as numbers."""
+    table = [line for line in card.splitlines() if line.startswith("| metric |") or line.startswith(f"| `{metric}` |")]
+    names = [c.strip().strip("*") for c in table[0].strip("|").split("|")][1:]
+    cells = [c.strip() for c in table[1].strip("|").split("|")][1:]
+    return {n: tuple(float(x) for x in c.split(" ± ")) for n, c in zip(names, cells) if c}

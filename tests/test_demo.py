@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,7 +16,7 @@ from flows.cli import main
 from lmforge.config import load_config
 from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore
-from tests.helpers import REPO, one_thread_per_test
+from tests.helpers import REPO, card_cells, one_thread_per_test
 
 DEMO = REPO / "configs" / "demo.yaml"
 SMOLLM2 = REPO / "configs" / "smollm2_lora.yaml"
@@ -36,8 +37,9 @@ def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
     data = ["ingest_text", "filter_text", "dedup_text", "decontaminate_text", "ingest_chat", "decontaminate_chat",
             "ingest_pairs", "decontaminate_pairs", "shard_text", "shard_chat", "shard_pairs", "ingest_heldout_chat",
             "ingest_heldout_pairs"]
-    assert list(demo.stages) == [*data, "tokenizer", "pretrain", "sft", "reward", "dpo", "ppo", "eval"]
-    assert list(smol.stages) == [*data, "sft_tokens", "sft", "dpo", "eval"]
+    assert list(demo.stages) == [*data, "tokenizer", "pretrain", "sft", "reward", "dpo", "ppo", "eval", "export_sft",
+                                 "export_reward", "export_dpo", "export_ppo"]
+    assert list(smol.stages) == [*data, "sft_tokens", "sft", "dpo", "eval", "export_dpo"]
     for plan in (demo, smol):
         assert {n: s.action for n, s in plan.stages.items()} == dict.fromkeys(plan.stages, "run")  # empty store
         ev = plan.cfg.stages["eval"]
@@ -91,8 +93,10 @@ def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
     threads = [f"stages.{name}.cpu_threads={n}"
                for name, n in one_thread_per_test(yaml.safe_load(DEMO.read_text())["stages"]).items()]
+    published = tmp_path / "published" / "demo-dpo"
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(DEMO), "-o", f"store={store}",
                            "-o", f"tracking=sqlite:///{tmp_path / 'm.db'}", *(a for t in threads for a in ("-o", t)),
+                           "-o", f"stages.export_dpo.publish_to={published}",
                            "--json", str(summary_path)], cwd=tmp_path, env=env, capture_output=True, text=True)
     summary = json.loads(summary_path.read_text())
     arts = ArtifactStore(str(store))
@@ -114,7 +118,9 @@ def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     trained = ["tokenizer", "pretrain", "sft", "reward", "dpo", "ppo"]
     assert {n: s["status"] for n, s in summary["stages"].items()} == dict.fromkeys(
-        [*DATA_STAGES, *DECONTAMINATE, "ingest_heldout_chat", "ingest_heldout_pairs", *trained, "eval"], "ran")
+        [*DATA_STAGES, *DECONTAMINATE, "ingest_heldout_chat", "ingest_heldout_pairs", *trained, "eval", *EXPORTS],
+        "ran")
+    check_exports(arts, summary, scores, published, tmp_path / "m.db")
     kind = {n: s["kind"] for n, s in yaml.safe_load(DEMO.read_text())["stages"].items()}  # the store's keys
     result = {n: arts.require(kind[n], summary["stages"][n]["artifact_id"]).result
               for n in [*trained[1:], *DECONTAMINATE]}
@@ -141,6 +147,41 @@ def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
     nll = {m: scores[m]["chat_loss"]["assistant_nll"] for m in ("base", "sft", "dpo", "ppo")}
     assert nll["sft"] < nll["base"] / 2 and nll["dpo"] < nll["sft"]
     assert scores["base"]["text_ppl"]["bits_per_byte"] < scores["sft"]["text_ppl"]["bits_per_byte"]
+
+
+EXPORTS = ["export_sft", "export_reward", "export_dpo", "export_ppo"]
+
+
+def check_exports(arts, summary, scores, published, db) -> None:
+    """The demo's exports: each registered as `demo-<stage>` and made @champion by the run; dpo's card tells the
+    eval's held-out exact match for base, sft and dpo with stderrs; dpo's folder is published whole; no file of an
+    export names a path of this machine."""
+    from mlflow.tracking import MlflowClient
+
+    from trainer.export import machine_paths
+
+    client = MlflowClient(f"sqlite:///{db}")
+    for name in EXPORTS:
+        art = arts.require("export", summary["stages"][name]["artifact_id"])
+        stage = name.removeprefix("export_")
+        champion = client.get_model_version_by_alias(f"demo-{stage}", "champion")
+        assert champion.tags["lmforge.artifact_id"] == art.id, name
+        assert art.result["evaluation"] == f"eval/{summary['stages']['eval']['artifact_id']}", name
+        copy = art.download(published.parent / "copies" / name)  # the model's files, not the store's manifest
+        assert machine_paths(copy, [Path(arts.url), REPO]) == [], name
+        card = Path(art.path, "README.md").read_text()
+        assert "A demonstration of lmforge, not a model for any real use." in card, name
+        if name == "export_dpo":
+            got = card_cells(card, "lmforge_arith_gen/exact_match")
+            want = {m: (scores[m]["lmforge_arith_gen"]["exact_match"],
+                        scores[m]["lmforge_arith_gen"]["exact_match_stderr"]) for m in ("base", "sft", "dpo")}
+            assert {m: got[m] for m in want} == {m: pytest.approx(v, rel=5e-4, abs=1e-9) for m, v in want.items()}
+            art.verify_local(published)
+            marker = json.loads((published / "lmforge_published.json").read_text())
+            assert marker["artifact"] == f"export/{art.id}"
+        if name == "export_reward":
+            assert art.result["architecture"] == "sequence_classification" and art.result["evaluated_as"] == "reward"
+    assert summary["published"] == {"export_dpo": f"published {published}"}
 
 
 def test_without_adapter_needs_a_training_stage_and_keeps_earlier_eval_ids():

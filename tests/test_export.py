@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lmforge.tracking import model_files
-from tests.helpers import artifact, run_stages, sft, write_task_dir
+from tests.helpers import artifact, card_cells, run_stages, sft, write_task_dir
 from trainer.errors import SettingError
 from trainer.export import export_model, machine_paths
 
@@ -83,7 +83,10 @@ def scored(root, kinds_module, tmp_path_factory):
                      {"name": "sft_lora", "input": "sft_lora"}],
           "gates": [{"metric": "sft_lora/t_mc/acc", "against": "base", "max_regression": 1.0}],
           "expect": [{"metric": "sft_lora/t_mc/acc", "min": 0.0, "max": 1.0}]}
-    plan, _ = run_stages(root, kinds_module, {"sft_lora": stage, "eval": ev}, ["sft_lora", "eval"])
+    export = {"kind": "export", "inputs": ["sft_lora", "eval"], "retries": 0, "max_new_tokens": NEW_TOKENS,
+              "intended_use": "Adds numbers, badly: a test model.", "license": "apache-2.0"}
+    plan, _ = run_stages(root, kinds_module, {"sft_lora": stage, "eval": ev, "export": export},
+                         ["sft_lora", "eval", "export"])
     return plan, artifact(plan, "sft_lora")
 
 
@@ -186,14 +189,6 @@ def test_export_and_generate_commands(root, lora_art, tmp_path, capsys):
     assert "no artifact with id 'ffffffff'" in capsys.readouterr().err
 
 
-def _card_cells(card: str, metric: str) -> dict[str, tuple[float, float]]:
-    """{model: (value, stderr)} of one row of the card's eval table, read back as numbers."""
-    table = [line for line in card.splitlines() if line.startswith("| metric |") or line.startswith(f"| `{metric}` |")]
-    names = [c.strip().strip("*") for c in table[0].strip("|").split("|")][1:]
-    cells = [c.strip() for c in table[1].strip("|").split("|")][1:]
-    return {n: tuple(float(x) for x in c.split(" ± ")) for n, c in zip(names, cells) if c}
-
-
 def test_the_exported_card_tells_the_eval_artifacts_numbers_and_the_lineage(scored, tmp_path, capsys):
     from flows.cli import main
 
@@ -211,7 +206,7 @@ def test_the_exported_card_tells_the_eval_artifacts_numbers_and_the_lineage(scor
     scores = ev.result["eval"]
     for metric in ("t_mc/acc", "t_gen/exact_match"):
         task, name = metric.split("/")
-        got = _card_cells(card, metric)
+        got = card_cells(card, metric)
         want = {m: (scores[m][task][name], scores[m][task][f"{name}_stderr"]) for m in ("base", "sft_lora")}
         assert set(got) == set(want), metric
         for m in want:  # the card's 4 significant digits of the eval artifact's own figures
@@ -227,3 +222,147 @@ def test_the_exported_card_tells_the_eval_artifacts_numbers_and_the_lineage(scor
                                                                                       "shard", "ingest"))
     assert machine_paths(out, [Path(art.path), Path(plan.store.url)]) == []
     assert str(raw.uri) not in card
+
+
+# ----------------------------------------------------------------------------------------------
+# the export stage: one folder for transformers and MLflow, with its card; publishing
+
+MLFLOW_MODEL = {"MLmodel", "conda.yaml", "python_env.yaml", "requirements.txt", "components/tokenizer/tokenizer.json",
+                "components/tokenizer/tokenizer_config.json", "components/tokenizer/chat_template.jinja"}
+
+
+def test_the_export_stage_is_a_plain_folder_an_mlflow_model_and_a_true_card(scored, tmp_path):
+    import mlflow.pyfunc
+    import yaml as _yaml
+
+    from trainer.generations import generate
+    from trainer.models import load_trained
+
+    plan, trained = scored
+    art, ev = artifact(plan, "export"), artifact(plan, "eval")
+    folder = Path(art.path)
+    assert MLFLOW_MODEL | {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                           "chat_template.jinja", "README.md", "lmforge_model.json"} <= set(art.files)
+    assert not [f for f in art.files if f.startswith(("adapter_", "base_model/", "_checkpoints/"))]
+    # no file names a path of this machine (the store's own manifest beside them does: it is not part of the model)
+    copy = art.download(tmp_path / "copy")
+    assert machine_paths(copy, [Path(trained.path), Path(plan.store.url), root_of(plan)]) == []
+    assert art.result["source"] == f"sft/{trained.id}" and art.result["evaluation"] == f"eval/{ev.id}"
+    assert (art.result["source_method"], art.result["evaluated_as"]) == ("lora", "sft_lora")
+    mlmodel = _yaml.safe_load((folder / "MLmodel").read_text())
+    assert mlmodel["flavors"]["transformers"]["model_binary"] == "."  # the weights of the folder itself, once
+    assert mlmodel["flavors"]["python_function"]["config"] == {"do_sample": False, "max_new_tokens": NEW_TOKENS}
+    assert mlmodel["metadata"]["task"] == "llm/v1/chat"
+    # the same answers three ways: the merged folder, the adapter on its base (unmerged), and MLflow's chat model
+    model, tok = load_trained(folder)
+    merged = generate(model, tok, PROMPTS, NEW_TOKENS)
+    assert [tok.decode(ids, skip_special_tokens=True).strip() for ids in _adapter_on_base_generate(Path(trained.path))] \
+        == merged
+    served = mlflow.pyfunc.load_model(str(folder))
+    for prompt, want in zip(PROMPTS[:3], merged):
+        got = served.predict({"messages": [{"role": "user", "content": prompt}]})
+        assert got[0]["choices"][0]["message"]["content"].strip() == want, prompt
+    # the card is the eval input's: its figures read back equal the eval artifact's
+    card = (folder / "README.md").read_text()
+    scores = ev.result["eval"]
+    got = card_cells(card, "t_gen/exact_match")
+    assert got == {m: pytest.approx((scores[m]["t_gen"]["exact_match"], scores[m]["t_gen"]["exact_match_stderr"]),
+                                    rel=5e-4, abs=1e-9) for m in ("base", "sft_lora")}
+    assert "Adds numbers, badly: a test model." in card and "with the adapter merged into its base" in card
+    assert yaml.safe_load(card.split("---")[1])["license"] == "apache-2.0"
+    # a copy of the card with one figure changed is caught by the same read-back
+    value, _ = got["sft_lora"]
+    bad = card.replace(f"| {value:.4g} ±", f"| {value + 0.25:.4g} ±", 1) if value < 0.7 else \
+        card.replace(f"| {value:.4g} ±", f"| {value - 0.25:.4g} ±", 1)
+    assert card_cells(bad, "t_gen/exact_match") != got
+
+
+def root_of(plan) -> Path:
+    return Path(plan.cfg.root)
+
+
+def _published(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def test_publish_to_a_folder_replaces_whole_models_and_refuses_a_foreign_one(scored, tmp_path):
+    from lmforge.errors import DataError
+    from lmforge.publish import MARKER, publish
+
+    plan, _ = scored
+    art = artifact(plan, "export")
+    target = tmp_path / "out" / "model"
+    assert publish(art, str(target), {"stage": "export"}) == "published"
+    assert _published(target) == sorted([*art.files, MARKER])
+    art.verify_local(target)
+    marker = json.loads((target / MARKER).read_text())
+    assert (marker["artifact"], marker["stage"]) == (f"export/{art.id}", "export")
+    assert publish(art, str(target), {"stage": "export"}) == "unchanged"
+    # another model replaces it whole: renamed into place, nothing left beside it
+    other = artifact(plan, "sft_lora")
+    assert publish(other, str(target), {}) == "published"
+    assert _published(target) == sorted([*other.files, MARKER])
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(DataError, match=r"^p: .*mine holds files that lmforge did not publish \(no "
+                                        r"lmforge_published.json\)\. publish to a new or empty folder or prefix; "
+                                        r"nothing was written there"):
+        publish(art, str(foreign), {}, where="p")
+    assert _published(foreign) == ["notes.txt"]
+
+
+@pytest.mark.s3
+def test_publish_to_s3_writes_the_marker_last_and_removes_stale_files(scored, s3):
+    from lmforge.errors import DataError
+    from lmforge.publish import MARKER, publish
+    from lmforge.store import filesystem
+
+    plan, _ = scored
+    art, other = artifact(plan, "export"), artifact(plan, "sft_lora")
+    target = "s3://lmforge-test/published/model"
+    fs, root = filesystem(target)
+
+    def listing() -> list[str]:
+        fs.invalidate_cache()
+        return sorted(p[len(root) + 1:] for p in fs.find(root))
+
+    assert publish(other, target, {}) == "published"
+    assert listing() == sorted([*other.files, MARKER])
+    assert publish(art, target, {"stage": "export"}) == "published"
+    assert listing() == sorted([*art.files, MARKER])  # the adapter's own files are gone
+    assert json.loads(fs.cat_file(f"{root}/{MARKER}"))["artifact"] == f"export/{art.id}"
+    for rel in ("model.safetensors", "MLmodel"):
+        assert fs.cat_file(f"{root}/{rel}") == Path(art.path, rel).read_bytes()
+    assert publish(art, target, {}) == "unchanged"
+    fs.pipe_file("lmforge-test/foreign/x.txt", b"keep")
+    with pytest.raises(DataError, match="holds files that lmforge did not publish"):
+        publish(art, "s3://lmforge-test/foreign", {})
+    assert fs.cat_file("lmforge-test/foreign/x.txt") == b"keep"
+
+
+def test_export_settings_are_checked_up_front(tmp_path, kinds):
+    from lmforge.config import parse_config
+    from lmforge.errors import ConfigError
+    from tests.helpers import train_pipeline
+
+    ev = {"kind": "eval", "inputs": ["sft"], "models": [{"name": "sft", "input": "sft"}], "tasks": ["t_mc"]}
+    raw = train_pipeline(tmp_path, {
+        "sft": sft(method="lora"), "other": sft(method="full"), "eval": ev,
+        "ex1": {"kind": "export", "inputs": ["other", "eval"]},
+        "ex2": {"kind": "export", "inputs": ["sft"], "publish_to": "hf://me/model"},
+        "ex3": {"kind": "export", "inputs": ["sft"], "registered_model": "other"},
+        "ex4": {"kind": "export", "inputs": ["shard"]},
+        "ex5": {"kind": "export", "inputs": ["sft"], "dtype": "int4", "publish_to": "gs://b/x"}})
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw, kinds, root=tmp_path)
+    said = str(e.value)
+    assert "stages.ex1.inputs[1]: eval stage 'eval' does not score 'other' (none of its models has input: other, " \
+           "nor preference.reward_models); name an eval that does, or leave it out" in said
+    assert "stages.ex2.publish_to: value error, 'hf://me/model': a Hugging Face Hub repo is not a target lmforge " \
+           "can test" in said
+    assert "stages.ex3.registered_model: stages ex3 and ex1 would both register as '<pipeline>-other'; give one of " \
+           "them another registered_model" in said
+    assert "stages.ex4.inputs: inputs[0] is chat shards; export takes the model of a training stage first" in said
+    assert "stages.ex5.dtype" in said and "'gs://b/x': unknown scheme gs://" in said

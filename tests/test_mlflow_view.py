@@ -36,6 +36,8 @@ def runs(tmp_path_factory):
         "eval": {"kind": "eval", "inputs": ["sft", "shard"], "retries": 0, "models": [{"name": "sft", "input": "sft"}],
                  "tasks": ["t_mc"], "task_dirs": [str(tasks)], "gates": PASSING,
                  "chat_loss": [{"input": "shard", "max_conversations": 6}]},
+        # registered as soon as sft is done (no eval input): a failed eval's model is still a candidate
+        "export": {"kind": "export", "inputs": ["sft"], "retries": 0, "publish_to": "published/v-sft"},
     })
     raw["name"] = "v"
     cfg = write_config(root, raw)
@@ -64,7 +66,7 @@ def test_fresh_and_cached_parents_have_the_same_few_metric_keys(runs):
     client = runs["client"]
     fresh, cached = (client.get_run(runs[k]["mlflow_run_id"]) for k in ("fresh", "cached"))
     changed = client.get_run(runs["changed_id"])
-    assert (runs["fresh"]["ran"], runs["cached"]["cached"]) == (5, 5)
+    assert (runs["fresh"]["ran"], runs["cached"]["cached"]) == (6, 6)
     keys = set(fresh.data.metrics)
     assert set(cached.data.metrics) == keys
     # the changed run's headline is its gate's metric, sft/t_mc/acc_norm, which sft does not have (its gate failed)
@@ -99,7 +101,7 @@ def test_fresh_and_cached_parents_have_the_same_few_metric_keys(runs):
             "sft: train/loss", "sft: eval/loss"]
     # one child per stage
     kids = client.search_runs([fresh.info.experiment_id], f"tags.mlflow.parentRunId = '{fresh.info.run_id}'")
-    assert sorted(r.info.run_name for r in kids) == ["eval", "ingest", "sft", "shard", "tokenizer"]
+    assert sorted(r.info.run_name for r in kids) == ["eval", "export", "ingest", "sft", "shard", "tokenizer"]
 
 
 def test_headline_and_directions_on_the_parent(runs):
@@ -134,11 +136,11 @@ def test_run_names_tell_fresh_cached_and_partial_runs_apart(runs):
         runs["fresh"]["mlflow_run_id"], runs["cached"]["mlflow_run_id"], runs["changed_id"],
         runs["named"]["mlflow_run_id"]))
     h = fresh.data.tags["lmforge.config_hash"]
-    assert fresh.info.run_name == f"v {h[:8]} · 5 ran"
-    assert cached.info.run_name == f"v {h[:8]} · 5 cached"
+    assert fresh.info.run_name == f"v {h[:8]} · 6 ran"
+    assert cached.info.run_name == f"v {h[:8]} · 6 cached"
     h2 = changed.data.tags["lmforge.config_hash"]
     assert h2 != h and changed.info.run_name.startswith(f"v {h2[:8]} eval.gates=")
-    assert changed.info.run_name.endswith(", sft.learning_rate=0.001 · reran sft+1")  # eval ran too (and failed)
+    assert changed.info.run_name.endswith(", sft.learning_rate=0.001 · reran sft+2")  # eval (failed) and export ran too
     assert len(changed.info.run_name) <= 90
     assert changed.data.tags["lmforge.attempt"] == "1" and "lmforge.retry_of" not in changed.data.tags
     # the settings changed since the previous run are params too (the compare view's "why")
@@ -146,7 +148,7 @@ def test_run_names_tell_fresh_cached_and_partial_runs_apart(runs):
     assert "eval.gates" not in fresh.data.params
     # back to the first config: the name says what changed back, and that all of it was cached
     assert named.info.run_name.startswith(f"v {h[:8]} eval.gates=") and named.info.run_name.endswith(
-        "sft.learning_rate=0.003 · 5 cached")
+        "sft.learning_rate=0.003 · 6 cached")
     # the experiment opens on MLflow's model-training pages (runs, charts, compare), not on GenAI's traces
     assert client.get_experiment(fresh.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
@@ -177,17 +179,19 @@ def test_registry_candidate_and_champion_only_after_gates_pass(runs):
     client = runs["client"]
     assert sorted(m.name for m in client.search_registered_models()) == ["v-sft"]
     model = client.get_registered_model("v-sft")
-    assert model.description.startswith("policy model made by the sft stage 'sft' of pipeline 'v': method full, "
-                                        "base a new llama model from a config, inputs shard, tokenizer.")
+    assert model.description.startswith("Standalone model of the sft stage 'sft' of pipeline 'v' (method full, "
+                                        "base a new llama model from a config), exported by stage 'export': merged "
+                                        "float32 weights")
     versions = {v.tags["lmforge.artifact_id"]: v for v in client.search_model_versions("name='v-sft'")}
-    first = versions[runs["fresh"]["stages"]["sft"]["artifact_id"]]
+    first = versions[runs["fresh"]["stages"]["export"]["artifact_id"]]
     assert len(versions) == 2
-    second = next(v for a, v in versions.items() if a != runs["fresh"]["stages"]["sft"]["artifact_id"])
+    second = next(v for a, v in versions.items() if a != runs["fresh"]["stages"]["export"]["artifact_id"])
     assert set(first.tags) == {"lmforge.artifact_id", "lmforge.artifact_uri", "lmforge.pipeline", "lmforge.stage",
-                               "lmforge.method", "lmforge.git_commit", "lmforge.source_run_id", "lmforge.contents",
-                               "lmforge.model_digest"}
+                               "lmforge.export_stage", "lmforge.source_artifact", "lmforge.dtype",
+                               "lmforge.evaluation", "lmforge.method", "lmforge.git_commit", "lmforge.source_run_id",
+                               "lmforge.contents", "lmforge.model_digest"}
     # the model files only, logged to the run that made them (tests/test_registry.py)
-    assert first.source == f"runs:/{runs['fresh']['stages']['sft']['mlflow_run_id']}/model"
+    assert first.source == f"runs:/{runs['fresh']['stages']['export']['mlflow_run_id']}/model"
     assert first.tags["lmforge.method"] == "full"
     # the changed run made a new candidate, but its eval failed: @champion stays on the version that passed
     assert client.get_model_version_by_alias("v-sft", "candidate").version == second.version
@@ -195,6 +199,14 @@ def test_registry_candidate_and_champion_only_after_gates_pass(runs):
     fresh = client.get_run(runs["fresh"]["mlflow_run_id"])
     assert fresh.data.tags["lmforge.champion"] == f"v-sft/{first.version}"
     assert "lmforge.champion" not in client.get_run(runs["changed_id"]).data.tags
+    # publish_to got the champion's folder, once; the changed run's model (gates failed) was not published
+    target = runs["root"] / "published" / "v-sft"
+    assert runs["fresh"]["published"] == {"export": f"published {target}"}
+    assert runs["cached"]["published"] == {"export": f"unchanged {target}"}
+    assert fresh.data.tags["lmforge.published"] == f"export: published {target}"
+    marker = json.loads((target / "lmforge_published.json").read_text())
+    assert marker["artifact"] == f"export/{runs['fresh']['stages']['export']['artifact_id']}"
+    assert "lmforge.published" not in client.get_run(runs["changed_id"]).data.tags
 
 
 def test_compare_prints_config_diff_arrows_and_url(runs, capsys):
@@ -208,7 +220,7 @@ def test_compare_prints_config_diff_arrows_and_url(runs, capsys):
     assert "config: 2 setting(s) differ:" in out
     lr = next(line for line in lines if line.strip().startswith("sft.learning_rate"))
     assert lr.split() == ["sft.learning_rate", "0.003", "->", "0.001"]
-    assert "B reused 3 of A's 5 artifacts and has other ones for 2 stage(s): sft, eval." in lines
+    assert "B reused 3 of A's 6 artifacts and has other ones for 3 stage(s): sft, export, eval." in lines
     gates = [line.split() for line in lines if line.strip().startswith("summary/gates_")]
     assert gates == [["summary/gates_failed", "0", "1", "↓", "worse"], ["summary/gates_passed", "1", "0", "↓", "worse"]]
     rows = metric_rows(lines)
@@ -247,7 +259,7 @@ def test_compare_of_a_cached_rerun_says_replay_and_marks_timings_as_info(runs, c
     out, err = capfd.readouterr()
     assert err == ""  # no download progress bars, no warnings
     lines = out.splitlines()
-    assert lines[3].startswith("B replayed A's cached artifacts: every one of its 5 stages was cached, with A's "
+    assert lines[3].startswith("B replayed A's cached artifacts: every one of its 6 stages was cached, with A's "
                                "artifact ids")
     assert "config: 0 setting(s) differ" in out
     rows = metric_rows(lines)

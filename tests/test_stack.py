@@ -189,7 +189,8 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     """`lmforge deploy`, `prefect deployment run`: the stack's long-running process worker picks the run up; its
     artifacts land in S3 and its MLflow runs on the MLflow server, like a CLI run's. A stage made to fail through a
     config override (a data file with a bad row), fixed, then `prefect flow-run retry`: the worker runs only that
-    stage and its dependant again. The registry on the MLflow server: `<pipeline>-sft` @candidate once sft finished,
+    stage and its dependant again. The registry on the MLflow server: `<pipeline>-sft` @candidate once sft's export
+    finished,
     @champion only once the whole run (eval gates included) passed."""
     write_jsonl(tmp_path / "data" / "chat.jsonl", chat_rows(60))
     write_jsonl(tmp_path / "data" / "pairs_bad.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, "not json"])
@@ -198,6 +199,7 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
         "eval": {"kind": "eval", "inputs": ["sft"], "retries": 0, "models": [{"name": "sft", "input": "sft"}],
                  "tasks": ["t_mc"], "task_dirs": [str(write_task_dir(tmp_path / "tasks"))],
                  "gates": [{"metric": "sft/t_mc/acc", "against": "sft", "max_regression": 0.0}]},
+        "export": {"kind": "export", "inputs": ["sft"], "retries": 0},  # what the registry holds
         "ingest_pairs": {"kind": "ingest", "inputs": ["pairs"], "retries": 0},
         "shard_pairs": {"kind": "shard", "inputs": ["ingest_pairs"], "retries": 0}})
     raw.update({"name": "stkdeploy", "store": "s3://lmforge/stkdeploy"})
@@ -214,9 +216,9 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", trig.stdout).group(1)
     fr = _wait_flow_run(api, flow_run_id, timeout=600)
     assert fr["state_type"] == "FAILED", fr["state"]  # ingest_pairs: the bad row
-    first = _log_counts(api, flow_run_id, until=lambda c: all(n in c for n in ("ingest_pairs", "eval")))
+    first = _log_counts(api, flow_run_id, until=lambda c: all(n in c for n in ("ingest_pairs", "eval", "export")))
     assert first["ingest_pairs"] == ["running"] and "shard_pairs" not in first
-    assert all(first[n] == ["running"] for n in ("ingest", "shard", "tokenizer", "sft", "eval"))
+    assert all(first[n] == ["running"] for n in ("ingest", "shard", "tokenizer", "sft", "eval", "export"))
 
     mlflow = env["MLFLOW_TRACKING_URI"]
 
@@ -233,13 +235,15 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     time.sleep(2)
     fr = _wait_flow_run(api, flow_run_id, timeout=600)
     assert fr["state_type"] == "COMPLETED", fr["state"]
-    both = _log_counts(api, flow_run_id, until=lambda c: "shard_pairs" in c and len(c.get("eval", [])) == 2)
+    both = _log_counts(api, flow_run_id, until=lambda c: "shard_pairs" in c and len(c.get("eval", [])) == 2
+                       and len(c.get("export", [])) == 2)
     assert both["ingest_pairs"] == ["running", "running"] and both.get("shard_pairs") == ["running"], both
-    assert all(both[n] == ["running", "cached"] for n in ("ingest", "shard", "tokenizer", "sft", "eval")), both
+    assert all(both[n] == ["running", "cached"] for n in ("ingest", "shard", "tokenizer", "sft", "eval", "export")), \
+        both
     assert aliases() == {"candidate": aliases()["candidate"], "champion": aliases()["candidate"]}
 
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="lmforge", Prefix="stkdeploy/").get("Contents", [])}
-    assert sum(k.endswith("/manifest.json") for k in keys) == 7, keys  # 7 stages, each a finished artifact
+    assert sum(k.endswith("/manifest.json") for k in keys) == 8, keys  # 8 stages, each a finished artifact
     with urllib.request.urlopen(f"{mlflow}/api/2.0/mlflow/experiments/get-by-name?experiment_name=stkdeploy") as r:
         exp = json.load(r)["experiment"]["experiment_id"]
     runs = _post(f"{mlflow}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp]})["runs"]
@@ -247,7 +251,7 @@ def _deployment_run_by_the_stack_worker(tmp_path, env, run_env, s3) -> None:
     parent = [t for t in tags if t.get("prefect.flow_run_id") == flow_run_id and "lmforge.pipeline" in t]
     assert len(parent) == 1 and parent[0]["lmforge.config_path"] == str(tmp_path / "d.yaml")  # the retry continued it
     children = sorted(t.get("mlflow.runName") for t in tags if "mlflow.parentRunId" in t)
-    assert children == sorted(["ingest", "shard", "tokenizer", "sft", "eval", "ingest_pairs", "shard_pairs"])
+    assert children == sorted(["ingest", "shard", "tokenizer", "sft", "eval", "export", "ingest_pairs", "shard_pairs"])
 
 
 def _s3_killed_mid_run_and_restarted(tmp_path, stack, state, run_env, s3) -> None:

@@ -352,19 +352,25 @@ def test_training_metrics_land_on_the_stages_mlflow_run(root, kinds_module):
     assert table["after"] == generations.generate(model, tok, prompts, 6)
     md = client.download_artifacts(run_id, "generations/control.md", str(root / "gen-md"))
     assert "| What is 2 plus 3? |" in Path(md).read_text()
-    # the model registry: model <pipeline>-<stage>, a version per artifact (its model files, logged to the stage's
-    # run under model/), @candidate
-    art = artifact(plan, "tracked")
+    # the model registry holds exports, not the training stage's adapter: model <pipeline>-<stage>, a version per
+    # export artifact (its model files, logged to the export stage's run under model/), @candidate
+    assert "lmforge.registered_model" not in run.data.tags
+    export = {"kind": "export", "inputs": ["tracked"], "retries": 0}
+    plan, out = run_stages(root, kinds_module, {"tracked": stage, "export": export}, ["tracked", "export"],
+                           tracker=tracker)
+    assert out["tracked"]["status"] == "cached"
+    art, export_run = artifact(plan, "export"), out["export"]["mlflow_run_id"]
     version = client.get_model_version_by_alias("train-tracked", "candidate")
-    assert version.source == f"runs:/{run_id}/model" and version.run_id == run_id
-    assert run.data.tags["lmforge.registered_model"] == f"train-tracked/{version.version}"
+    assert version.source == f"runs:/{export_run}/model" and version.run_id == export_run
+    assert client.get_run(export_run).data.tags["lmforge.registered_model"] == f"train-tracked/{version.version}"
     tags = version.tags
     assert (tags["lmforge.stage"], tags["lmforge.pipeline"], tags["lmforge.artifact_id"]) == ("tracked", "train", art.id)
-    assert (tags["lmforge.method"], tags["lmforge.source_run_id"]) == ("lora", run_id)
+    assert (tags["lmforge.method"], tags["lmforge.source_run_id"]) == ("lora", export_run)
+    assert tags["lmforge.source_artifact"] == f"sft/{artifact(plan, 'tracked').id}"
     # the prompts are run-only: changing them reuses the artifact; the cached rerun adds no model version
-    plan2, out2 = run_stages(root, kinds_module, {"tracked": {**stage, "control_prompts": []}}, ["tracked"],
-                             tracker=tracker)
-    assert plan2.stages["tracked"].artifact_id == art.id and out2["tracked"]["status"] == "cached"
+    plan2, out2 = run_stages(root, kinds_module, {"tracked": {**stage, "control_prompts": []}, "export": export},
+                             ["tracked", "export"], tracker=tracker)
+    assert plan2.stages["export"].artifact_id == art.id and out2["export"]["status"] == "cached"
     assert len(client.search_model_versions("name='train-tracked'")) == 1
     assert client.get_model_version_by_alias("train-tracked", "candidate").version == version.version
 
