@@ -198,8 +198,10 @@ def test_mlflow_models_serve_answers_the_champion_like_lmforge_generate(tmp_path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking, "MLFLOW_REGISTRY_URI": tracking}
     mlflow_cli = Path(sys.executable).with_name("mlflow")
+    # as a user runs it, in the environment: MLflow starts `uvicorn` from PATH
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking, "MLFLOW_REGISTRY_URI": tracking,
+           "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([str(mlflow_cli), "models", "serve", "-m", "models:/train-sft@champion", "--env-manager",
                              "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"], cwd=tmp_path, env=env,
