@@ -21,7 +21,8 @@ Gates (`gates:`) compare one metric of one model against another model. A failin
 with `FailedAfterPublish`, raised after every file and MLflow record is written, so the artifact can be
 published and inspected (the executor publishes, then fails the stage).
 
-Artifact: `results/<model>.json` (lm-eval's results), `metrics.json`, `comparison.md` / `comparison.html`
+Artifact: `results/<model>.json` (lm-eval's results) and `results/<model>.samples.jsonl` (each document, target,
+answer as scored and its metrics), `metrics.json`, `comparison.md` / `comparison.html`
 (task/metric x model, with stderr), `metrics.png` (main metric per task), `control_generations.md` /
 `.jsonl`, and `tasks/` (the task YAMLs as lm-eval read them, data paths absolute).
 

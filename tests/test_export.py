@@ -265,6 +265,12 @@ def test_the_export_stage_is_a_plain_folder_an_mlflow_model_and_a_true_card(scor
     # the card is the eval input's: its figures read back equal the eval artifact's
     card = (folder / "README.md").read_text()
     scores = ev.result["eval"]
+    # and the eval keeps what the model answered to each held-out question: the mean of those is its figure
+    rows = [json.loads(line) for line in ev.open("results/sft_lora.samples.jsonl").read().decode().splitlines()]
+    gen = [r for r in rows if r["task"] == "t_gen"]
+    assert gen and all(isinstance(r["response"], list) and "exact_match" in r["metrics"] for r in gen)
+    assert sum(r["metrics"]["exact_match"] for r in gen) / len(gen) == \
+        pytest.approx(scores["sft_lora"]["t_gen"]["exact_match"])
     got = card_cells(card, "t_gen/exact_match")
     assert got == {m: pytest.approx((scores[m]["t_gen"]["exact_match"], scores[m]["t_gen"]["exact_match_stderr"]),
                                     rel=5e-4, abs=1e-9) for m in ("base", "sft_lora")}

@@ -284,7 +284,7 @@ def run_tasks(lm: "HFLM", tm: "TaskManager", names: Sequence[str], *, num_fewsho
     return lm_eval.simple_evaluate(
         model=lm, tasks=list(names), task_manager=tm, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-        bootstrap_iters=bootstrap_iters, log_samples=False, apply_chat_template=apply_chat_template)
+        bootstrap_iters=bootstrap_iters, log_samples=True, apply_chat_template=apply_chat_template)
 
 
 def metric_name(key: str) -> tuple[str, str, bool]:
@@ -328,8 +328,20 @@ def flatten_results(results: dict[str, Any]) -> TaskScores:
 
 
 def write_results_json(results: dict[str, Any], path: Path, extra: dict[str, Any]) -> None:
+    """lm-eval's results in `path`; its samples, when it logged them, one a line in `<name>.samples.jsonl` beside
+    it: each task's document, target, the model's answer as scored (after the task's filters) and its metrics. So
+    the eval artifact keeps what each model answered to each held-out question, not only the means."""
     from lm_eval.utils import handle_non_serializable
 
-    body = {**results, "lmforge": extra}
+    samples = results.get("samples") or {}
+    body = {**{k: v for k, v in results.items() if k != "samples"}, "lmforge": extra}
     path.parent.mkdir(parents=True, exist_ok=True)
+    if samples:
+        with open(path.with_name(path.stem + ".samples.jsonl"), "w", encoding="utf-8") as f:
+            for task in sorted(samples):
+                for smp in samples[task]:
+                    row = {"task": task, "doc_id": smp.get("doc_id"), "doc": smp.get("doc"),
+                           "target": smp.get("target"), "response": smp.get("filtered_resps"),
+                           "metrics": {m: smp.get(m) for m in smp.get("metrics", [])}}
+                    f.write(json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n")
     path.write_text(json.dumps(body, indent=2, default=handle_non_serializable, ensure_ascii=False), encoding="utf-8")
