@@ -47,20 +47,23 @@ def scoring_eval(store: ArtifactStore, art: Artifact) -> tuple[Artifact, str] | 
 
 
 def eval_of(evals: list[Artifact], art: Artifact) -> tuple[Artifact, str] | None:
-    """(the newest of the eval artifacts `evals` that scored `art`, the name it gave the model), if any. Where one
-    eval names the artifact twice (a `without_adapter` base beside the model), the entry named like the stage
-    wins."""
-    stage = art.manifest.get("produced_by", {}).get("stage")
+    """(the newest of the eval artifacts `evals` that scored `art`, the name it gave the model), if any, from each
+    eval's manifest: the input that is `art`, and the model entry (`models: [{name, input}]`) that reads it. Where
+    one eval names it twice (a `without_adapter` base beside the model), the entry with the adapter wins; a reward
+    model is scored under its input's name (`preference.reward_models`)."""
     found = []
     for ev in evals:
         when = ev.manifest.get("timings", {}).get("finished_at", "")
-        for m in ev.result.get("models", []):
-            if art.id in m.get("origin", "").split("/"):
-                found.append(((when, ev.id, m["name"] == stage), ev, m["name"]))
-        # a reward model is scored under its stage's name (preference.reward_models), not as a generating model
-        rewards = ((ev.manifest.get("config", {}).get("preference") or {}).get("reward_models") or [])
+        cfg = ev.manifest.get("config", {})
+        scored = ev.result.get("eval", {})
         for i in ev.manifest.get("inputs", []):
-            if i.get("artifact_id") == art.id and i.get("name") in rewards and i["name"] in ev.result.get("eval", {}):
+            if i.get("artifact_id") != art.id or i.get("type") != "artifact":
+                continue
+            for m in cfg.get("models") or []:
+                if m.get("input") == i.get("name") and m.get("name") in scored:
+                    found.append(((when, ev.id, not m.get("without_adapter")), ev, m["name"]))
+            rewards = (cfg.get("preference") or {}).get("reward_models") or []
+            if i.get("name") in rewards and i["name"] in scored:
                 found.append(((when, ev.id, True), ev, i["name"]))
     if not found:
         return None
