@@ -126,9 +126,12 @@ class Expectation(BaseModel):
         return self
 
     def band(self) -> str:
-        lo = "-inf" if self.min is None else f"{self.min:g}"
-        hi = "inf" if self.max is None else f"{self.max:g}"
-        return f"[{lo}, {hi}]"
+        """As a reader says it: `in [0.35, 0.75]`, `>= 0.9`, `<= 0.05`."""
+        if self.min is None:
+            return f"<= {self.max:g}"
+        if self.max is None:
+            return f">= {self.min:g}"
+        return f"in [{self.min:g}, {self.max:g}]"
 
 
 class EvalConfig(StageConfig):

@@ -103,12 +103,12 @@ def check_expectations(expect: list[Expectation], scores: dict[str, dict[str, di
         if value is None:
             have = sorted(f"{t}/{k}" for t, ms in scores.get(model, {}).items() for k in ms
                           if not k.endswith("_stderr"))
-            row.update(met=False, message=f"expect {e.metric} in {e.band()}: {model} has no metric {task}/{metric} "
+            row.update(met=False, message=f"expect {e.metric} {e.band()}: {model} has no metric {task}/{metric} "
                        f"(it has: {', '.join(have) or 'none'})")
         else:
             met = (e.min is None or value >= e.min) and (e.max is None or value <= e.max)
             where = "" if met else (" below" if e.min is not None and value < e.min else " above")
-            row.update(met=met, message=f"expect {e.metric} in {e.band()}: {value:.4g}, "
+            row.update(met=met, message=f"expect {e.metric} {e.band()}: {value:.4g}, "
                        f"{'as expected' if met else 'UNEXPECTED,' + where + ' the band'}")
         out[e.metric] = row
     return out
