@@ -68,6 +68,7 @@ def test_root_is_told_about_the_pgserver_system_user(caplog, tmp_path):
 def test_stack_up_run_against_it_and_down(tmp_path):
     stack = tmp_path / "stack"
     ports = {"s3": stack_port(), "mlflow": stack_port(), "prefect": stack_port()}
+    existing = _pg_user_exists()  # before `up`: on a machine that never ran it, `up` (as root) creates the user
     up = _lmforge("stack", "up", "--dir", str(stack), "--s3-port", str(ports["s3"]), "--mlflow-port",
                   str(ports["mlflow"]), "--prefect-port", str(ports["prefect"]), cwd=tmp_path)
     state = json.loads((stack / "stack.json").read_text()) if (stack / "stack.json").exists() else {}
@@ -75,7 +76,7 @@ def test_stack_up_run_against_it_and_down(tmp_path):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "stack up in" in up.stdout
-        assert (f"pgserver runs it as the {'existing ' if _pg_user_exists() else ''}system user 'pgserver'"
+        assert (f"pgserver runs it as the {'existing ' if existing else ''}system user 'pgserver'"
                 in up.stderr) == (os.geteuid() == 0), up.stderr  # root is told about the user Postgres runs as
         print(up.stdout.splitlines()[0])  # the start-up time, for the notes
         assert [s["name"] for s in state["servers"]] == ["s3", "prefect", "postgres", "mlflow", "worker"]
