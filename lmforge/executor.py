@@ -96,7 +96,14 @@ def _register_model(ctx: RunContext, sp: StagePlan, artifact: Artifact, run_id: 
     at it when the stage made it (`ran`); a cached stage sets it only where the model has none yet (or where it
     points at an earlier registration of the same artifact), so a rerun of an older config never moves it back.
     `@champion` is moved by the flow, at the end of a run whose eval gates passed (`runview.promote_champions`)."""
-    if ctx.tracker is None or sp.kind != "export" or run_id is None:
+    if ctx.tracker is None or run_id is None:
+        return
+    if sp.kind != "export":
+        cfg = ctx.plan.cfg
+        if sp.port is not None and sp.port.type == "model" and ran and not any(
+                s.kind == "export" and s.inputs[:1] == [sp.name] for s in cfg.stages.values()):
+            log.info("stage %s: not registered in MLflow: the registry holds exports; add a stage `{kind: export, "
+                     "inputs: [%s]}` to register its standalone model (docs/export.md)", sp.name, sp.name)
         return
     result = artifact.result or {}
     cfg = ctx.plan.cfg
