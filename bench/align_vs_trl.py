@@ -206,6 +206,11 @@ def main() -> int:
                        *({"name": f"plain_s{s}", "base": str(out / f"plain-dpo-{s}")} for s in seeds)],
             "tasks": ["lmforge_arith_gen"], "apply_chat_template": True, "batch_size": 16, "bootstrap_iters": 0,
             "preference": {"input": "ingest_heldout_pairs", "reference": "sft"}}
+    if "eval" not in stages:  # --method reward: no eval stage to take the decontaminate stages' tasks from
+        for name, st in stages.items():
+            if st.get("kind") == "decontaminate" and st.get("eval_stage") == "eval":
+                stages[name] = {**{k: v for k, v in st.items() if k != "eval_stage"},
+                                "tasks": raw["stages"]["eval"]["tasks"]}  # the same checks (eval_stage is not in ids)
     raw["stages"] = stages
     plan = make_plan(parse_config(raw, REGISTRY, root=out), REGISTRY)
     tracker = Tracker(raw["tracking"], raw["name"])
