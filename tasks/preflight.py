@@ -284,7 +284,28 @@ def _shape(tcfg, inputs: list[Artifact], stage: str):
                 if rel in a.files:
                     with a.open(rel) as f:
                         return shape_from_config(json.load(f), f"{a.kind}/{a.id}/{rel}")
+            shape = _adapter_base_shape(a)
+            if shape is not None:
+                return shape
     raise ValueError("no model config found among the inputs")
+
+
+def _adapter_base_shape(a: Artifact):
+    """The shape of an adapter artifact's base, from its lmforge_model.json: a GGUF file (SmolLM2's sft adapter, the
+    input of its reward, dpo, ppo and grpo stages) or a local model folder; None for other bases."""
+    from trainer.models import MODEL_INFO
+    from trainer.shapes import shape_from_config, shape_from_gguf
+
+    if MODEL_INFO not in a.files:
+        return None
+    with a.open(MODEL_INFO) as f:
+        base = json.load(f).get("base") or {}
+    folder = Path(base["path"]) if isinstance(base.get("path"), str) else None
+    if base.get("kind") == "gguf" and folder is not None and base.get("gguf_file"):
+        return shape_from_gguf(str(folder / base["gguf_file"]), base.get("describe") or base["gguf_file"])
+    if folder is not None and (folder / "config.json").exists():
+        return shape_from_config(json.loads((folder / "config.json").read_text()), str(folder))
+    return None
 
 
 def output_port(cfg: PreflightConfig, inputs: list[Port]) -> Port:

