@@ -85,10 +85,6 @@ def main() -> int:
     for name in ("eval", "reward", "ppo", "grpo"):  # the chain to dpo alone
         raw["stages"].pop(name, None)
     raw["stages"]["export_dpo"]["inputs"] = ["dpo"]
-    for stage in raw["stages"].values():  # eval_stage: names the eval's tasks; keep the checks on the same questions
-        if stage.get("kind") == "decontaminate":
-            stage.pop("eval_stage", None)
-            stage["tasks"] = ["lmforge_arith_mc", "lmforge_arith_ll_chat", "lmforge_arith_gen"]
     if args.sft_steps:
         raw["stages"]["sft"]["max_steps"] = args.sft_steps
     if args.dpo_steps:

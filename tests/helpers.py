@@ -47,16 +47,16 @@ def one_thread_per_test(stages: dict[str, dict[str, Any]]) -> dict[str, int]:
         return {}
     return {name: 1 for name, s in stages.items() if int(s.get("cpu_threads") or 1) > 1}
 
+
 def outside_bands(bands: list[dict[str, Any]], scores: dict[str, Any]) -> list[str]:
     """One line per band of an eval stage's `expect:` that `scores` (the eval artifact's `eval`) misses or lies
     outside of, naming the metric, its value and the band."""
-    def value(path: str) -> float | None:
-        model, task, metric = path.split("/")
-        return scores.get(model, {}).get(task, {}).get(metric)
+    from bench.demo_sweep import value
 
-    return [f"{e['metric']} = {value(e['metric'])}, band {e.get('min')}..{e.get('max')}" for e in bands
-            if value(e["metric"]) is None or not ((e.get("min") is None or value(e["metric"]) >= e["min"]) and
-                                                  (e.get("max") is None or value(e["metric"]) <= e["max"]))]
+    got = {e["metric"]: value(scores, e["metric"]) for e in bands}
+    return [f"{e['metric']} = {got[e['metric']]}, band {e.get('min')}..{e.get('max')}" for e in bands
+            if got[e["metric"]] is None or not ((e.get("min") is None or got[e["metric"]] >= e["min"]) and
+                                                (e.get("max") is None or got[e["metric"]] <= e["max"]))]
 
 
 # ----------------------------------------------------------------------------------------------
