@@ -68,7 +68,7 @@ def _prompt(tok, text: str):
 
 
 def test_shipped_reward_functions_score_plain_and_chat_completions():
-    from trainer.rewards import answer_match, one_sentence, sum_correct
+    from trainer.rewards import answer_form, answer_match, one_sentence, sum_correct
 
     chat = [[{"role": "user", "content": "What is 3 plus 4?"}]] * 3
     said = [[{"role": "assistant", "content": c}] for c in ("3 plus 4 equals 7.", "3 plus 4 equals 8.", "7")]
@@ -77,6 +77,10 @@ def test_shipped_reward_functions_score_plain_and_chat_completions():
     assert answer_match(chat, said, answer=["3 plus 4 equals 7."] * 3) == [1.0, 0.0, 1.0]
     assert answer_match(["q", "q", "q"], ["Paris.", "paris", "Rome"], answer=["paris", "Paris", None]) == [0.0, 1.0, None]
     assert one_sentence(chat, said) == [1.0, 1.0, 0.0]
+    # the form: numbers left out, so a wrong sum in the right shape passes and a right sum in the wrong one fails
+    assert answer_form(chat, said, answer=["3 plus 4 equals 7."] * 3) == [1.0, 1.0, 0.0]
+    assert answer_form(chat, said, answer=["7"] * 3) == [0.0, 0.0, 1.0]
+    assert answer_form(["q", "q"], ["  32 ", "32firehose"], answer=["12", None]) == [1.0, None]
     assert one_sentence(None, ["7.", "7...", "a\nb.", "", " ".join(["w"] * 21) + "."]) == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
@@ -207,11 +211,11 @@ def test_bad_reward_functions_and_settings_fail_when_the_config_is_parsed(root, 
     }
     with pytest.raises(ConfigError) as e:
         parse_config(pipeline(root, bad), kinds_module, root=root)
-    hint = "write module:function, e.g. trainer.rewards:sum_correct (lmforge ships: sum_correct, answer_match, one_sentence)"
+    hint = "write module:function, e.g. trainer.rewards:sum_correct (lmforge ships: sum_correct, answer_match, answer_form, one_sentence)"
     assert sorted(e.value.problems) == sorted([
         "stages.g_typo.reward_functions[1]: module 'trainer.rewards' has no 'sum_corect' (did you mean "
         "'sum_correct'?); its functions: "
-        "answer_match, last_number, load_reward_function, one_sentence, source_sha256, sum_correct, text_of, got "
+        "answer_form, answer_match, last_number, load_reward_function, one_sentence, source_sha256, sum_correct, text_of, got "
         "'trainer.rewards:sum_corect'",
         "stages.g_module.reward_functions[0]: cannot import module 'trainer.no_such_module' (ModuleNotFoundError: No "
         f"module named 'trainer.no_such_module'); install the package or put its folder on PYTHONPATH, or {hint}, got "

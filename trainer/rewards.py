@@ -27,7 +27,7 @@ _SUM_PROMPT = re.compile(r"what\s+is\s+(-?\d+)\s+plus\s+(-?\d+)\s*\?", re.IGNORE
 _SENTENCE_END = ".!?"
 
 #: the functions lmforge ships, for error messages
-SHIPPED = ("sum_correct", "answer_match", "one_sentence")
+SHIPPED = ("sum_correct", "answer_match", "answer_form", "one_sentence")
 
 
 class RewardFunctionError(ValueError):
@@ -85,6 +85,26 @@ def answer_match(prompts: list, completions: list, answer: list | None = None, *
             out.append(1.0 if last_number(got) == want else 0.0)
         else:
             out.append(1.0 if " ".join(got.lower().split()) == " ".join(ref.lower().split()) else 0.0)
+    return out
+
+
+def _form(text: str) -> str:
+    return " ".join(_NUMBER.sub("N", text.lower()).split())
+
+
+def answer_form(prompts: list, completions: list, answer: list | None = None, **kwargs: Any) -> list[float | None]:
+    """Format: 1.0 when the completion has the reference answer's form (the `answer` column) with its numbers left
+    out, else 0.0: case and spacing ignored, every number read as N. "27 plus 5 equals 22." has the form of "27
+    plus 5 equals 32."; "32" has the form of "32" but not of the sentence. The format half of the accuracy + format
+    pair TRL's GRPO examples use: beside `sum_correct`, which reads only the last number, it keeps the answer in
+    the shape the prompt asks for (a bare number after "Answer:", the sentence otherwise). No reference: None."""
+    refs = answer if answer is not None else [None] * len(completions)
+    out: list[float | None] = []
+    for completion, ref in zip(completions, refs, strict=True):
+        if not isinstance(ref, str) or not ref.strip():
+            out.append(None)
+            continue
+        out.append(1.0 if _form(text_of(completion)) == _form(ref) else 0.0)
     return out
 
 
