@@ -38,6 +38,14 @@ from trainer.settings import PpoSettings
 class PpoStageConfig(TrainingConfig, PpoSettings):
     kind: Literal["ppo"] = Field(description="PPO of an SFT policy against a reward model (TRL PPOTrainer).")
 
+    def settings(self) -> dict:
+        """`value_model` came after the first ppo artifacts: at its default (full) it stays out of the id, so a
+        store's ppo artifacts from before it keep their ids; lora changes the result and enters it."""
+        out = super().settings()
+        if out.get("value_model") == "full":
+            del out["value_model"]
+        return out
+
 
 class PpoResult(RLResult):
     reward_model: str

@@ -165,6 +165,37 @@ def test_ppo_lora_raises_the_heldout_reward_reloads_and_resumes_exactly(root, ki
         assert r2[k] == r[k], k
 
 
+def test_ppo_value_model_lora_trains_an_adapter_and_the_score_head_and_resumes_exactly(root, kinds_module):
+    """`value_model: lora`: the value model trains an adapter and its score head, not every weight; a rerun after
+    the published artifact is gone resumes from the checkpoint (whose value model holds the adapter) to the same
+    weights. At its default (full) the setting stays out of the artifact id."""
+    lora = {"rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
+    stage = ppo(method="lora", max_steps=4, learning_rate=1e-2, checkpoint_every_steps=2, keep_checkpoints=1,
+                evaluate=False, value_model="lora", lora=lora)
+    plan, _ = run(root, kinds_module, {"ppo_vlora": stage}, ["ppo_vlora"])
+    art, rm_art = artifact(plan, "ppo_vlora"), artifact(plan, "rm")
+    r = art.result
+    score = [k for k in _weights(rm_art) if k.startswith("score.")]
+    assert score == ["score.weight"]
+    # the same adapter shapes as the policy's (trainable_parameters), plus the 64 x 1 score head
+    assert r["value_parameters"] == r["trainable_parameters"] + 64, r
+    ckpt = Path(art.path, "_checkpoints", "checkpoint-2", "value_model", "model.safetensors")
+    from safetensors.torch import load_file
+    value = load_file(str(ckpt))
+    assert any("lora_B" in k for k in value) and all(v.abs().sum() > 0 for k, v in value.items() if "lora_B" in k)
+    first = _weights(art)
+    Path(art.path, "manifest.json").unlink()
+    execute_stage(RunContext(plan=plan, kinds=kinds_module), "ppo_vlora")
+    again = artifact(plan, "ppo_vlora")
+    assert (again.result["resumed_from_step"], again.result["steps"]) == (2, 4)
+    assert _same(_weights(again), first)
+    # the id: lora differs from full, and full is the id the stage had before the setting existed
+    from tasks.ppo import PpoStageConfig
+    base = PpoStageConfig.model_validate({**stage, "value_model": "full"})
+    assert "value_model" not in base.settings()
+    assert PpoStageConfig.model_validate(stage).settings()["value_model"] == "lora"
+
+
 # ----------------------------------------------------------------------------------------------
 # full: chat shards as prompts, a frozen reference
 

@@ -17,7 +17,8 @@ metrics go to the stage's MLflow run as `train/reward` (the reward model's mean 
 
 Reference: lora - the policy with its adapter disabled (no second copy); full - a frozen copy (TRL's
 `create_reference_model`); qlora - the 4-bit base with the adapter disabled (the SFT model, quantized). The
-value model is always a full-precision, fully trained copy of the reward model.
+value model is a full-precision copy of the reward model, trained whole (TRL's recipe) or, with `value_model: lora`,
+as an adapter and its score head (`value_with_adapter`).
 
 Where the reward is read: TRL's PPO scores a rollout at its last token, the eos that ends the response. A reward
 stage on a chat template learned from whole turns, which end after the eos (ChatML: "<|im_end|>" and a newline),
@@ -260,6 +261,23 @@ def _ppo_trainer_class():
     return ResumablePPOTrainer
 
 
+def value_with_adapter(value_model, s: PpoSettings) -> None:
+    """`value_model: lora`: a LoRA adapter (the stage's `lora` settings) injected into the value model in place, the
+    backbone frozen, the score head trained whole. In place and not as a PeftModel, because TRL's policy-and-value
+    wrapper reaches the backbone as `getattr(value_model, value_model.base_model_prefix)`, which a PeftModel answers
+    with the whole classifier. A checkpoint's value model then holds the frozen weights too (its state dict), and
+    `_restore` loads it back into the same injected layout."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    value_model.requires_grad_(False)
+    inject_adapter_in_model(LoraConfig(r=s.lora.rank, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
+                                       target_modules=s.lora.target_modules, exclude_modules=["score"], bias="none"),
+                            value_model)
+    for name, p in value_model.named_parameters():
+        if "lora_" in name or name.startswith("score."):
+            p.requires_grad_(True)
+
+
 def load_policy_weights(policy, folder: Path) -> None:
     """Checkpointed policy weights into the live policy, in place (the optimizer holds these tensors)."""
     from safetensors.torch import load_file
@@ -408,6 +426,8 @@ def train(spec: JobSpec) -> dict[str, Any]:
     check_reward_model(reward_model, reward_tokenizer, tokenizer, s, spec.reward_model.describe())
     reward_model = reward_model.to(models._dtype(s.dtype)).eval().requires_grad_(False)
     value_model = load_reward_model(rm_dir)[0].to(models._dtype(s.dtype))
+    if s.value_model == "lora":
+        value_with_adapter(value_model, s)
     if s.gradient_checkpointing:  # (qlora's policy got it with its 4-bit preparation)
         for m in (value_model,) if s.method == "qlora" else (policy, value_model):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -225,7 +225,7 @@ class GrpoSettings(TrainSettings):
         "RLOOTrainer).")
     reward_functions: list[Annotated[RewardFunctionRef, BeforeValidator(_importable_reward_function)]] = Field(
         default_factory=list, description="Reward functions by import path, each a string or {function, weight}; "
-        "shipped: trainer.rewards:sum_correct, answer_match, one_sentence. With a reward stage among the inputs "
+        "shipped: trainer.rewards:sum_correct, answer_match, answer_form, one_sentence. With a reward stage among the inputs "
         "its score is added too; at least one reward is required.")
     reward_model_weight: float = Field(1.0, description="Weight of the reward model's score (a reward stage among "
                                        "the inputs) in the total reward.")
@@ -354,6 +354,10 @@ class PpoSettings(TrainSettings):
     clip_range: float = Field(0.2, gt=0, description="Clipping range of the policy ratio.")
     value_clip_range: float = Field(0.2, gt=0, description="Clipping range of the value predictions.")
     value_loss_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
+    value_model: Literal["full", "lora"] = Field(
+        "full", description="How the value model (a copy of the reward model) trains: full, every weight (TRL's "
+        "recipe); lora, an adapter with the `lora` settings plus the whole score head, the backbone frozen: the "
+        "update's backward pass and optimizer step skip the backbone's weights, so each update costs less.")
     gamma: float = Field(1.0, gt=0, le=1, description="Discount factor of the returns.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda of the advantages.")
     whiten_rewards: bool = Field(False, validate_default=True, description="Normalize the rewards per batch "
