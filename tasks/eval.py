@@ -96,8 +96,8 @@ def run(cfg: EvalConfig, inputs: list[Input], out: Path, runtime: StageRuntime |
             score_chat_loss(c, name, lm, s, convs[s.name], cfg.batch_size)
         if cfg.tasks:
             score_tasks(c, name, lm, cfg, tm, out / "results" / f"{name}.json", src.describe())
-        if pref is not None:  # every model: loglik_accuracy; the reference and policies: implicit reward too
-            score_pairs(c, name, lm, cfg, pairs)
+        if pref is not None and (pref.loglik or name == pref.reference or name in scored_pairs):
+            score_pairs(c, name, lm, cfg, pairs)  # loglik_accuracy; the reference and policies: implicit reward
         if cfg.control_prompts:
             prompts = [format_prompt(lm, p, cfg.apply_chat_template, name) for p in cfg.control_prompts]
             c.generations[name] = generate(lm, prompts, cfg.max_new_tokens)

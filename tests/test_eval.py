@@ -328,6 +328,26 @@ def test_preference_accuracy_of_trained_policy_against_reference(tmp_path, kinds
                               "loglik_margin": True}}]  # every metric it reports has a direction
 
 
+def test_preference_loglik_false_scores_only_the_reference_and_the_policies(tmp_path, kinds, models):
+    """`loglik: false`: the entries that are neither reference nor policy are not scored (no log-likelihood passes),
+    the policies keep their implicit reward, and nobody gets loglik_accuracy."""
+    pairs = [{"prompt": "What is 3 plus 4?", "chosen": "Answer: 7", "rejected": "Answer: 5"},
+             {"prompt": "What is 1 plus 4?", "chosen": "Answer: 5", "rejected": "Answer: 7"}]
+    records = ingested_pairs(tmp_path, kinds, pairs)
+    cfg = cfg_of(inputs=["ingest"], models=[{"name": "base", "base": str(models["base"])},
+                                            {"name": "seven", "base": str(models["seven"])},
+                                            {"name": "five", "base": str(models["five"])}],
+                 preference={"input": "ingest", "reference": "base", "models": ["seven"], "loglik": False}, gates=[])
+    out = tmp_path / "out"
+    out.mkdir()
+    r = ev_stage.run(cfg, [records], out)
+    assert set(r.eval["seven"]["preference"]) == {"accuracy", "reward_margin", "accuracy_stderr",
+                                                  "reward_margin_stderr"}
+    assert "preference" not in r.eval["base"] and "preference" not in r.eval["five"]
+    task = [t for t in r.tasks if t["task"] == "preference"][0]
+    assert (task["implicit_dpo"], task["loglik"]) == (["seven"], [])
+
+
 def test_loglik_accuracy_is_length_normalised():
     # chosen: -6 over 3 tokens (-2/token); rejected: -4 over 1 token (-4/token): chosen wins although its sum is lower
     p = PairLogprobs(chosen=[-6.0, -1.0], rejected=[-4.0, -0.5], chosen_tokens=[3, 1], rejected_tokens=[1, 1])

@@ -73,6 +73,10 @@ class PreferenceEval(BaseModel):
                                      "reward models (kind: reward): each is scored by its own reward of chosen vs "
                                      "rejected and gets a row named after the stage.")
     beta: float = Field(0.1, gt=0, description="DPO beta; scales reward_margin, not accuracy.")
+    loglik: bool = Field(True, description="Score every model entry by its own loglik_accuracy. false: only the "
+                         "reference and the policies get log-probs (for their implicit reward), and with neither "
+                         "set only the reward models score the pairs; each model entry scored costs two "
+                         "log-likelihood passes over the pairs.")
     prompt_separator: str = Field("\n", description="Between prompt and response when apply_chat_template is off.")
     max_pairs: int | None = Field(None, gt=0, description="Score at most this many pairs (the first ones).")
 

@@ -109,19 +109,22 @@ def score_pairs(c: Collected, model: str, lm: "HFLM", cfg: EvalConfig, pairs: li
 
 
 def score_preference(c: Collected, pref: PreferenceEval, scored: list[str], n_pairs: int) -> None:
-    """Every model by itself: loglik_accuracy; policies: implicit DPO reward against the reference (their
-    log-probs were gathered model by model)."""
-    for model, lp in c.pair_logprobs.items():
-        c.scores[model].setdefault(pref.name, {}).update(loglik_accuracy(lp))
+    """Every model by itself: loglik_accuracy (unless `loglik: false`); policies: implicit DPO reward against the
+    reference (their log-probs were gathered model by model)."""
+    if pref.loglik:
+        for model, lp in c.pair_logprobs.items():
+            c.scores[model].setdefault(pref.name, {}).update(loglik_accuracy(lp))
     if pref.reference is not None:
         ref = c.pair_logprobs[pref.reference]
         for model in scored:
-            c.scores[model][pref.name].update(implicit_reward_accuracy(c.pair_logprobs[model], ref, pref.beta))
-    c.main_metric[pref.name] = MAIN_METRIC["preference"] if scored else "loglik_accuracy"
+            c.scores[model].setdefault(pref.name, {}).update(
+                implicit_reward_accuracy(c.pair_logprobs[model], ref, pref.beta))
+    # accuracy: the policies' implicit reward, or (no policies, no loglik) the reward models' own
+    c.main_metric[pref.name] = MAIN_METRIC["preference"] if scored or not pref.loglik else "loglik_accuracy"
     c.tasks[pref.name] = {"task": pref.name, "kind": "preference", "input": pref.input, "split": pref.split,
                           "reference": pref.reference, "beta": pref.beta, "pairs": n_pairs,
                           "implicit_dpo": scored, "reward_models": list(pref.reward_models),
-                          "loglik": sorted(c.pair_logprobs)}
+                          "loglik": sorted(c.pair_logprobs) if pref.loglik else []}
 
 
 def score_reward_models(c: Collected, cfg: EvalConfig, by_input: dict[str, Input], pairs: list[dict[str, str]],
