@@ -12,8 +12,10 @@ stage is cached, so only the preflights run (a preflight does not change its sta
 store the whole pipeline runs first. The preflights are read from the store by their planned ids, so a run whose
 eval gates fail still reports them.
 
-Prints, per training stage, the estimate, the measured peak, the error in percent (target: within +-15%) and the
-whole `lmforge estimate` figure for a GPU (bf16 weights; what a user reads before renting).
+Prints, per training stage, the row length the estimate was taken at (the mean padded row the preflight measured;
+ppo, which has no padding meter: max_length_tokens), the estimate, the measured peak, the error in percent (target:
+within +-15%), the estimate at max_length_tokens (what `lmforge estimate` plans with, an upper bound) and the whole
+`lmforge estimate` figure for a GPU (bf16 weights; what a user reads before renting).
 """
 from __future__ import annotations
 
@@ -72,24 +74,27 @@ def main() -> int:
         rows.append({"stage": n, "kind": pf["kind"], "method": pf["method"],
                      "estimate_mb": pf["estimate_compared_mb"], "measured_mb": pf["peak_above_baseline_mb"],
                      "error_pct": pf["estimate_error_pct"], "peak_rss_mb": pf["peak_memory_mb"],
+                     "row_tokens": pf.get("estimate_row_tokens"),
+                     "estimate_at_max_length_mb": pf.get("estimate_at_max_length_mb"),
                      "gpu_estimate_gib": round(pf["estimate_mb"] / 1024, 3) if pf.get("estimate_mb") else None,
                      "step_s": pf["step_time_s"]})
     print(f"Estimate against the measured peak, {config.relative_to(REPO) if config.is_relative_to(REPO) else config}"
           f", {time.strftime('%Y-%m-%d')}, {cpu_name()}, {args.steps} steps per stage, {wall:.0f} s "
           f"(`python bench/estimate_pipeline.py`)\n")
-    print("| stage | kind, method | estimate MB | measured MB (peak above baseline) | error | peak RSS MB | "
-          "step s |\n|---|---|---|---|---|---|---|")
+    print("| stage | kind, method | row tokens | estimate MB | measured MB (peak above baseline) | error | "
+          "estimate at max_length_tokens MB | peak RSS MB | step s |\n|---|---|---|---|---|---|---|---|---|")
     ok = rc == 0
     for r in rows:
         if "error" in r:
-            print(f"| {r['stage']} | {r['error']} | | | | | |")
+            print(f"| {r['stage']} | {r['error']} | | | | | | | |")
             ok = False
             continue
         inside = r["error_pct"] is not None and abs(r["error_pct"]) <= 15
         ok &= inside
-        print(f"| {r['stage']} | {r['kind']}, {r['method']} | {r['estimate_mb']:,.1f} | {r['measured_mb']:,.1f} | "
-              f"{r['error_pct']:+.1f}%{'' if inside else ' **outside +-15%**'} | {r['peak_rss_mb']:,.0f} | "
-              f"{r['step_s']:.2f} |")
+        at_max = r["estimate_at_max_length_mb"]
+        print(f"| {r['stage']} | {r['kind']}, {r['method']} | {r['row_tokens'] or ''} | {r['estimate_mb']:,.1f} | "
+              f"{r['measured_mb']:,.1f} | {r['error_pct']:+.1f}%{'' if inside else ' **outside +-15%**'} | "
+              f"{f'{at_max:,.1f}' if at_max is not None else ''} | {r['peak_rss_mb']:,.0f} | {r['step_s']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     print(f"\n{'every stage within +-15%' if ok else 'NOT every stage within +-15%'} (lmforge run exit {rc})",

@@ -24,7 +24,10 @@ the model's parameters and buffers, trainer.metrics.nonmodel_rss_mb, so the libr
 the estimate does not model are left out; the child runs with glibc's mmap threshold pinned, so that its RSS follows
 its live tensors, see _cpu_malloc_tracks_tensors), the checkpoint's size, whether the reload
 and the generation worked (and what was generated), and the estimate of trainer/estimate.py for the same
-settings with the error of the estimate against the measurement in percent (the estimate's `comparable` part,
+settings, at the mean row length the run's padding meter measured (max_length_tokens is only an upper bound:
+rows are padded to the longest of their micro-batch; ppo has no meter and keeps it; the estimate at
+max_length_tokens is recorded beside it), with the error of the estimate against the measurement in percent (the
+estimate's `comparable` part,
 without the CUDA context and the allocator margin that torch's max allocated does not count; on CPU it holds the
 CPU runtime's own RSS instead, and is compared with the peak RSS above the baseline).
 The trained weights are not kept (the artifact holds `preflight.json` and the generations), only measured.
@@ -32,6 +35,7 @@ The trained weights are not kept (the artifact holds `preflight.json` and the ge
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import json
 import logging
 import os
@@ -90,6 +94,8 @@ class PreflightResult(Result):
     estimate_mb: float | None
     estimate_compared_mb: float | None  # the part of the estimate the measurement is compared with
     estimate_error_pct: float | None
+    estimate_row_tokens: float | None = None  # the row length the estimate was taken at (measured, or max_length)
+    estimate_at_max_length_mb: float | None = None  # the estimate's comparable part at max_length_tokens (the plan's)
     notes: list[str]
 
 
@@ -169,7 +175,7 @@ def run(cfg: PreflightConfig, inputs: list[Artifact], out: Path, runtime: StageR
             del model
         except Exception as e:  # noqa: BLE001  reported as the preflight's failure below
             notes.append(f"reload/generation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        est = _estimate(cfg, tcfg, inputs, runtime, notes)
+        est = _estimate(cfg, tcfg, inputs, runtime, notes, trained)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -178,10 +184,11 @@ def run(cfg: PreflightConfig, inputs: list[Artifact], out: Path, runtime: StageR
     base = trained.get("baseline_rss_mb")
     above = round(peak - base, 1) if (base is not None and not on_gpu) else None
     measured = peak if on_gpu else above
-    compared = est_total = err = None
+    compared = est_total = err = upper = None
     if est is not None:
         est_total = round(est["total_bytes"] / 2**20, 1)
         compared = round(est["comparable_bytes"] / 2**20, 1)
+        upper = round(est["at_max_length_comparable_bytes"] / 2**20, 1)
         if measured:
             err = round(100 * (compared - measured) / measured, 1)
     result = PreflightResult(
@@ -191,7 +198,8 @@ def run(cfg: PreflightConfig, inputs: list[Artifact], out: Path, runtime: StageR
         peak_memory_source="cuda_max_allocated" if on_gpu else "rss", baseline_rss_mb=base,
         peak_above_baseline_mb=above, checkpoint_bytes=ckpt_bytes, reload_ok=reload_ok,
         generation_ok=generation_ok, generations=gens, estimate_mb=est_total, estimate_compared_mb=compared,
-        estimate_error_pct=err, notes=notes)
+        estimate_error_pct=err, estimate_row_tokens=est["row_tokens"] if est else None,
+        estimate_at_max_length_mb=upper, notes=notes)
     (out / "preflight.json").write_text(json.dumps({**result.model_dump(mode="json"), "estimate": est,
                                                     "training_result": trained}, indent=2))
     log.info("preflight %s: step %.3fs, %.0f tokens/s, peak %.0f MB (%s%s), checkpoint %.1f MB, reload %s, "
@@ -242,11 +250,25 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def measured_row_tokens(trained: dict[str, Any], rows: int, micro_batches: int, limit: int) -> float | None:
+    """The mean tokens of a row as the model computed on it, over the micro-batches the run trained: the training
+    result's padding meter (trainer/batching.py) gives the real tokens (nonpad_tokens_per_s x train_seconds) and the
+    padding fraction of what was computed (rows padded to their micro-batch's longest; packed rows: the real ones).
+    None when the stage has no meter (ppo) or it measured nothing."""
+    frac, rate, seconds = (trained.get(k) for k in ("padding_fraction", "nonpad_tokens_per_s", "train_seconds"))
+    if frac is None or not rate or not seconds or frac >= 1 or rows * micro_batches <= 0:
+        return None
+    return round(min(limit, rate * seconds / (1 - frac) / (rows * micro_batches)), 1)
+
+
 def _estimate(cfg: PreflightConfig, tcfg, inputs: list[Artifact], runtime: StageRuntime,
-              notes: list[str]) -> dict[str, Any] | None:
-    """trainer/estimate.py for the stage's settings, its model taken from base_model or the model input."""
+              notes: list[str], trained: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """trainer/estimate.py for the stage's settings, its model taken from base_model or the model input, at the
+    row length the run measured (the config's max_length_tokens is an upper bound: rows are padded to the longest of
+    their micro-batch only); the estimate at max_length_tokens goes into the notes."""
     from trainer import estimate as E
     from trainer.distributed import resolve_precision, device_capability
+    from trainer.pipeline_estimate import response_tokens
 
     try:
         shape = _shape(tcfg, inputs, runtime.stage)
@@ -259,9 +281,22 @@ def _estimate(cfg: PreflightConfig, tcfg, inputs: list[Artifact], runtime: Stage
                       attn_implementation="sdpa", optimizer=tcfg.optimizer, world_size=world,
                       lora_rank=tcfg.lora.rank, lora_targets=tcfg.lora.target_modules, lora_dropout=tcfg.lora.dropout,
                       quant_double=tcfg.lora.double_quant,
-                      reference_copy=tcfg.method == "full" and kind in ("dpo", "ppo"),
-                      generation=kind in ("ppo", "grpo"), device="cuda" if _on_gpu() else "cpu")
-        return E.estimate_memory(shape, plan).to_json()
+                      reference_copy=tcfg.method == "full" and (kind in ("dpo", "ppo") or
+                                                                 (kind == "grpo" and tcfg.beta > 0)),
+                      reward_shape=_reward_shape(inputs) if kind in ("ppo", "grpo") else None,
+                      value_model=kind == "ppo", value_method=getattr(tcfg, "value_model", "full"),
+                      generation=kind in ("ppo", "grpo"), response_tokens=response_tokens(tcfg),
+                      device="cuda" if _on_gpu() else "cpu")
+        rows = 2 * plan.micro_batch if kind in ("reward", "dpo") else plan.micro_batch
+        steps = (trained or {}).get("steps") or cfg.steps
+        measured = measured_row_tokens(trained or {}, rows, steps * plan.grad_accumulation_steps, plan.seq_tokens)
+        upper = E.estimate_memory(shape, plan)
+        est = E.estimate_memory(shape, replace(plan, row_tokens=measured)) if measured else upper
+        if measured:
+            notes.append(f"estimate at the measured {measured:g} tokens per row; at max_length_tokens "
+                         f"{plan.seq_tokens}: {upper.comparable / 2**20:,.1f} MB")
+        return {**est.to_json(), "row_tokens": measured or plan.seq_tokens, "row_tokens_measured": bool(measured),
+                "at_max_length_comparable_bytes": upper.comparable}
     except Exception as e:  # noqa: BLE001  the measurement stands without it
         notes.append(f"no estimate: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return None
@@ -288,6 +323,18 @@ def _shape(tcfg, inputs: list[Artifact], stage: str):
             if shape is not None:
                 return shape
     raise ValueError("no model config found among the inputs")
+
+
+def _reward_shape(inputs: list[Artifact]):
+    """The shape of the reward model among the inputs (a reward stage's artifact: a full sequence-classification
+    model with its config.json), or None: ppo's reward and value models, grpo's reward model."""
+    from trainer.shapes import shape_from_config
+
+    for a in inputs:
+        if a.kind == "reward" and "config.json" in a.files:
+            with a.open("config.json") as f:
+                return shape_from_config(json.load(f), f"{a.kind}/{a.id}/config.json")
+    return None
 
 
 def _adapter_base_shape(a: Artifact):

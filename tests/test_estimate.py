@@ -86,6 +86,67 @@ def test_loss_tensors_chunked_for_sft_whole_for_pretrain():
     assert pre - sft == 3 * 1024 * 100 * 4 - 4 * 256 * 100 * 4
 
 
+def test_grpo_loss_keeps_the_logits_of_the_completion_only():
+    """grpo: GRPOTrainer asks for the logits of the completion's positions (logits_to_keep): its log-softmax's three
+    fp32 tensors cover rows x C positions, not every one of the n tokens as the model's own loss (pretrain)."""
+    shape = shape_from_config(TINY, "t")
+    grpo = tiny_plan(kind="grpo", method="lora", lora_rank=4, micro_batch=8, seq_tokens=32, response_tokens=4)
+    est = estimate_memory(shape, grpo)
+    pre = estimate_memory(shape, replace(grpo, kind="pretrain")).bytes["activations"]
+    assert "completion loss" in est.notes["activations"]
+    assert pre - est.bytes["activations"] == 3 * (8 * 32 - 8 * 4) * 100 * 4 == 268800
+
+
+PPO_CPU = dict(kind="ppo", method="lora", lora_rank=4, lora_dropout=0.0, dtype="float32", precision="fp32",
+               device="cpu", micro_batch=2, seq_tokens=8, value_model=True, generation=True, response_tokens=4)
+
+
+def test_ppo_value_model_full_reward_model_and_generation():
+    """ppo, value_model full, on CPU: the value model (P_s = backbone + a 1-wide score head) with its weights, AdamW
+    states and, at the end of backward, its gradients; the frozen reward model memory-mapped, resident but for its
+    embedding; the rollouts' KV cache and logits are gone by the training step."""
+    from trainer.estimate import generation_bytes
+
+    shape = shape_from_config(TINY, "t")
+    ps = 100 * 64 + 2 * LAYER + 64 + 64  # embeddings, layers, final norm, score head
+    assert shape.score_model_params() == ps == 80512
+    est = estimate_memory(shape, tiny_plan(**PPO_CPU, reward_shape=shape))
+    b = est.bytes
+    # end of backward (n = 2 rows x 8 tokens = 16): every value gradient, and the value model's last layer (full
+    # training keeps its normalized inputs too, c = 4) with its backward; the policy's LoRA gradients are in adapter
+    assert "peak at the end of backward" in est.notes["activations"]
+    assert b["activations"] == 16 * full_layer_per_token(4) + 16 * 128 * 4 * 2 == 86400
+    value = ps * 4 + ps * 8 + ps * 4  # fp32 weights, AdamW m and v, gradients
+    reward = (ps - 100 * 64) * 4  # memory-mapped: the embedding's rows only as read
+    assert b["other_models"] == value + reward == 1584640
+    assert b["adapter"] == 8192 * (4 + 4 + 8) and b["buffers"] == CPU_RUNTIME_MIB * MIB  # no KV cache at the peak
+    assert "not at the peak" in est.notes["buffers"]
+    # the rollouts: the KV cache of b rows (L x 2 x k d x s x c each) and every rollout's R x V fp32 logits
+    assert generation_bytes(shape, tiny_plan(**PPO_CPU)) == (
+        2 * 2 * 2 * 32 * 8 * 4 + 2 * 4 * 100 * 4, "generation: KV cache of 2 rollouts and 2 x 4 fp32 logits")
+    # on a GPU the whole reward model is on the card
+    gpu = estimate_memory(shape, tiny_plan(**{**PPO_CPU, "device": "cuda"}, reward_shape=shape))
+    assert gpu.bytes["other_models"] == value + ps * 4
+
+
+def test_ppo_value_model_lora():
+    """value_model lora: the value model's weights frozen, a LoRA adapter (the stage's lora settings) and the whole
+    score head trained: weights, gradients and AdamW states at 4 + 4 + 8 bytes; no full gradients, and its layers keep
+    what LoRA training keeps."""
+    shape = shape_from_config(TINY, "t")
+    full = estimate_memory(shape, tiny_plan(**PPO_CPU, reward_shape=shape))
+    est = estimate_memory(shape, tiny_plan(**PPO_CPU, reward_shape=shape, value_method="lora"))
+    ps, trained = 80512, 8192 + 64  # the adapter (rank 4, all-linear) and the score head
+    assert est.bytes["other_models"] == ps * 4 + trained * (4 + 4 + 8) + (ps - 100 * 64) * 4 == 750592
+    assert "peak at the start of backward" in est.notes["activations"]
+    policy = estimate_memory(shape, tiny_plan(**{**PPO_CPU, "value_model": False})).bytes["activations"]
+    # the value model's activations: LoRA layers (dropout 0: A keeps its input) and a score head, 16 tokens
+    from trainer.estimate import activations
+
+    assert est.bytes["activations"] == policy + activations(shape, tiny_plan(**PPO_CPU), 2, "score", lora=True).start()
+    assert est.total < full.total
+
+
 def test_lora_dropout_and_qlora_bf16_adapter_activations():
     shape = shape_from_config(TINY, "t")
     plan = tiny_plan(method="lora", lora_rank=4, micro_batch=8, seq_tokens=32)

@@ -111,3 +111,37 @@ def test_the_estimate_finds_the_gguf_base_of_an_adapter_input(tmp_path):
     (folder / MODEL_INFO).write_text(json.dumps({"format": "adapter", "base": {"kind": "hub", "id": "x/y"}}))
     with pytest.raises(ValueError, match="no model config found among the inputs"):
         _shape(Settings(), [Adapter()], "dpo")
+
+
+def test_the_estimate_is_taken_at_the_measured_row_length():
+    """The preflight estimates at the mean row the model computed on: the padding meter's real tokens (non-pad
+    tokens/s x seconds) over 1 - the padding fraction, per row of every micro-batch; never above max_length_tokens,
+    and None where a stage has no meter (ppo)."""
+    from tasks.preflight import measured_row_tokens
+
+    trained = {"padding_fraction": 0.2, "nonpad_tokens_per_s": 10.0, "train_seconds": 48.0}
+    assert measured_row_tokens(trained, 4, 3, 64) == 480 / 0.8 / 12 == 50.0  # 4 rows x 3 micro-batches
+    assert measured_row_tokens(trained, 4, 3, 40) == 40
+    assert measured_row_tokens({"train_seconds": 48.0}, 4, 3, 64) is None
+
+
+def test_the_estimate_finds_the_reward_model_among_the_inputs(tmp_path):
+    """ppo's reward and value models (and grpo's reward model) are a reward stage's artifact: its config.json."""
+    from tasks.preflight import _reward_shape
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    class Reward:  # what _reward_shape reads of an input Artifact
+        id, path, files = "b" * 16, str(tmp_path), {"config.json": {}}
+
+        def __init__(self, kind):
+            self.kind = kind
+
+        def open(self, rel):
+            return open(tmp_path / rel, encoding="utf-8")
+
+    shape = _reward_shape([Reward("sft"), Reward("reward")])
+    assert (shape.hidden_size, shape.num_layers, shape.vocab_size) == (64, 2, 100)
+    assert _reward_shape([Reward("sft")]) is None

@@ -5,7 +5,9 @@ is a plain function of a `ModelShape` and the stage's settings, so it is testabl
 
 Notation: P parameters, h hidden_size, L layers, a attention heads, k key/value heads, d head_dim,
 i intermediate_size, V vocab_size, r LoRA rank, b micro-batch rows (batch_size_per_device), s tokens per row
-(max_length_tokens, an upper bound: rows are padded to the longest of their batch, packed rows are full),
+(max_length_tokens, an upper bound: rows are padded to the longest of their batch, packed rows are full; the
+preflight, which has run the micro-batches, uses the mean row it measured instead, `row_tokens`: SmolLM2's chat
+rows are ~46-50 tokens of max_length_tokens 64, and every activation term scales with them),
 c bytes of the compute dtype (2 for bf16/fp16 mixed precision, 4 for fp32), w bytes of a stored weight,
 W world size (nproc_per_node x nnodes, 1 with launcher local).
 
@@ -64,33 +66,56 @@ Activations (component `activations`): the tensors autograd keeps for backward, 
                   sft: TRL's SFTTrainer computes lm_head and the cross-entropy in chunks of 256 tokens, each
                   recomputed in backward (loss_type chunked_nll, TRL's default): the gathered hidden states n h c
                   and one chunk's fp32 logits, log-softmax, its exp and their product, 4 x min(256, n) x V x 4;
-                  pretrain, dpo, grpo, ppo: the model's own cross-entropy over all logits, whose peak is
-                  log-softmax's backward: its saved output, the gradient coming in and the one going out, 3 n V x 4,
-                  plus lm_head's input n h c; reward models: a 1-wide score head, n h c + n (c + 8)
+                  pretrain, dpo, ppo: the logits of every position (pretrain: the model's own cross-entropy; dpo:
+                  TRL's log-softmax of the policy's logits, a logsumexp per row over their fp32 logits; ppo: the
+                  same over the response's positions, the policy asked for all logits), whose peak is the
+                  log-softmax's backward: its saved input (output), the gradient coming in and the one going out,
+                  3 n V x 4, plus lm_head's input n h c;
+                  grpo: GRPOTrainer asks the model for the logits of the completion's last C + 1 positions only
+                  (logits_to_keep, C = max_completion_tokens), divides C of them by the temperature and takes their
+                  log-softmax: the same three tensors over rows x C positions, 3 rows C V x 4, plus n h c;
+                  reward models: a 1-wide score head, n h c + n (c + 8)
                 + one layer's backward: its gradients in flight, 2 c i n (gated; c i n otherwise)
     The start of backward holds kept + max(final, backward) and, with checkpointing, the recomputed layer with the
     backward: kept + max(final, layer + backward) (backward frees the loss's tensors before it recomputes a layer).
     rows: sft, pretrain, grpo b; reward and dpo 2b (chosen and rejected in one batch); ppo b for the policy
-    plus b for the value model (a score head, no logits).
-Peak: the largest of three moments, since the Trainer frees gradients after every optimizer step
+    plus b for the value model (a score head, no logits), whose layers keep what full training keeps
+    (value_model full) or what LoRA training keeps (value_model lora).
+Peak: the largest of four moments, since the Trainer frees gradients after every optimizer step
     (zero_grad(set_to_none=True)) and backward creates them layer by layer while it frees that layer's activations:
     - start of backward: the activations above, and the gradients that exist then: lm_head's (for tied embeddings
       the embedding's, V h x w; it is made during the loss's backward) with grad_accumulation_steps 1, all of them
       with accumulation (from the second micro-batch on, the earlier micro-batches' gradients are there);
-    - end of backward: all gradients, the last layer's activations and its backward;
-    - the optimizer step: all gradients and the step temporaries.
+      ppo: the value model's activations too (its forward ran first, so autograd runs its backward after the
+      policy's);
+    - end of backward: all gradients (ppo: the value model's as well), the last layer's activations and its backward;
+    - the optimizer step: all gradients and the step temporaries;
+    - generation (ppo, grpo): the rollouts between two training steps, when no activations and no gradients exist:
+      the KV cache and the generated logits (see Buffers).
     Between the first two, the layers trade activations for gradients one by one, so the total moves linearly and
     its largest value is at one end. LoRA's gradients are in `adapter` throughout.
 Other models (component `other_models`): frozen copies at w bytes per parameter (sharded by ZeRO-3/FSDP):
-    dpo full: the reference; ppo: the reward model, the value model (trained fully: weights, gradients and
-    optimizer like full training), and the reference when full; grpo full with beta > 0: the reference; a reward
-    stage among grpo's inputs: its model. LoRA and QLoRA references are the policy with its adapter disabled.
+    dpo full: the reference; ppo: the reward model, the value model and the reference when full; grpo full with
+    beta > 0: the reference; a reward stage among grpo's inputs: its model. LoRA and QLoRA references are the
+    policy with its adapter disabled. A reward model has P_s = P - lm_head + h parameters (a 1-wide score head).
+    On CPU the frozen reward model stays memory-mapped from its safetensors file (transformers loads it so) and only
+    the pages read are resident: every layer's weights, of the embedding only the rows of the tokens seen (a few
+    pages): (P_s - V h) x w.
+    ppo's value model (a copy of the reward model), value_model full: P_s x w weights, optimizer states as full
+    training (2 w per parameter for AdamW), P_s x w gradients at the end of backward and the optimizer step;
+    value_model lora: P_s x w frozen weights, and the adapter (the stage's lora settings, fp32) plus the whole
+    score head, h, as weights, gradients and optimizer states like the policy's adapter. Its largest trainable
+    tensor (full: the embedding, V h) sets AdamW's CPU temporaries when larger than the policy's.
 Buffers (component `buffers`):
     CUDA context, cuBLAS workspaces and kernels: CUDA_CONTEXT_MIB (not counted by torch's allocator, but
     on the card); DDP with W > 1: gradient buckets, one more copy of the trainable gradients; ZeRO-2: the
     all-gather bucket, min(2e8, P) x 2 bytes; ZeRO-3 / FSDP: two gathered decoder layers in compute dtype
     (the live one and the prefetched one); qlora: the largest linear layer dequantized in compute dtype;
-    ppo, grpo: the generation KV cache for b x grad_accumulation_steps rows, L x 2 x k d x s x c each;
+    ppo, grpo, only when the generation moment is the peak (a training step's activations usually outweigh it):
+    the KV cache, L x 2 x k d x s x c per row, of the rows generated at once (ppo: b, TRL's
+    local_rollout_forward_batch_size; grpo: b x grad_accumulation_steps, a generation batch) and the logits
+    generation returns (ppo: R x V x 4 per rollout, R = max_new_tokens, kept until their log-probs are taken;
+    grpo: one decoding step's, V x 4 per row);
     then the allocator's fragmentation margin, FRAGMENTATION of every tensor above.
     On CPU (the preflight's runs) instead of the CUDA context and the margin: the CPU runtime's own RSS,
     CPU_RUNTIME_MIB (+ CPU_BNB_RUNTIME_MIB for qlora), measured on a model whose tensors are negligible.
@@ -147,6 +172,7 @@ class Plan:
     micro_batch: int = 8
     grad_accumulation_steps: int = 1
     seq_tokens: int = 1024
+    row_tokens: float = 0  # tokens a row really has as trained, when known (the preflight measures it); 0: seq_tokens
     gradient_checkpointing: bool = False
     attn_implementation: AttnImpl = "sdpa"
     optimizer: str = "adamw_torch"
@@ -162,7 +188,9 @@ class Plan:
     reference_copy: bool = False  # a frozen full copy of the policy (dpo/ppo/grpo full)
     reward_shape: ModelShape | None = None  # ppo (and grpo with a reward stage): the reward model's backbone
     value_model: bool = False  # ppo: a trained copy of the reward model
+    value_method: str = "full"  # ppo's value_model setting: full (every weight trains) | lora (adapter + score head)
     generation: bool = False  # ppo, grpo: rollouts with a KV cache
+    response_tokens: int = 0  # ppo max_new_tokens, grpo max_completion_tokens: the generated tokens of a rollout
     device: Device = "cuda"  # cpu: the preflight's CPU runs (dropout masks and AdamW temporaries differ)
 
     def to_json(self) -> dict[str, Any]:
@@ -197,6 +225,12 @@ class Breakdown:
                 "trainable_params": self.trainable_params,
                 "components": {k: {"bytes": v, "gib": round(v / GIB, 3), "note": self.notes.get(k, "")}
                                for k, v in self.bytes.items()}}
+
+
+def row_tokens(p: Plan) -> float:
+    """s: the tokens of a row as the model computes on it: measured (the preflight's mean padded row of the
+    micro-batches it ran) when known, else max_length_tokens, the upper bound."""
+    return p.row_tokens or p.seq_tokens
 
 
 def compute_bytes(p: Plan) -> int:
@@ -262,7 +296,7 @@ def layer_bytes_per_token(shape: ModelShape, p: Plan, lora: bool) -> float:
     out = 2 * norm + (c * h if input_kept("q_proj", "k_proj", "v_proj") else 0) + \
         (c * h if input_kept("gate_proj", "up_proj") else 0)
     if p.attn_implementation == "eager":  # q; k, v repeated to a heads; the fp32 softmax and its cast; the output
-        out += c * a * d * 3 + p.seq_tokens * a * (4 + c) + c * a * d
+        out += c * a * d * 3 + row_tokens(p) * a * (4 + c) + c * a * d
     else:  # q, k after the rotary embedding, v, the output and an fp32 logsumexp per head
         out += c * (a * d + 2 * k * d) + c * a * d + 4 * a
     if shape.gated_mlp:  # gate (silu's input), silu(gate) and up (the product's inputs)
@@ -305,8 +339,9 @@ class Activations:
 
 def activations(shape: ModelShape, p: Plan, rows: int, loss: str = "plain", lora: bool = False) -> Activations:
     """Activations of `rows` rows of p.seq_tokens tokens. loss: "chunked" (TRL SFT's chunked_nll), "plain" (the
-    model's own cross-entropy over all logits) or "score" (a 1-wide score head)."""
-    c, h, n = compute_bytes(p), shape.hidden_size, rows * p.seq_tokens
+    model's own cross-entropy, or a log-softmax, over all logits), "completion" (GRPO: the log-softmax of the
+    logits of the p.response_tokens completion tokens only) or "score" (a 1-wide score head)."""
+    c, h, n = compute_bytes(p), shape.hidden_size, round(rows * row_tokens(p))
     layer = round(n * layer_bytes_per_token(shape, p, lora))
     rope = 2 * n * shape.head_dim * c
     kept = rope + (shape.num_layers * n * h * c if p.gradient_checkpointing else shape.num_layers * layer)
@@ -315,6 +350,8 @@ def activations(shape: ModelShape, p: Plan, rows: int, loss: str = "plain", lora
         final += n * h * c + CHUNK_LOSS_TENSORS * min(TRL_CE_CHUNK_TOKENS, n) * shape.vocab_size * 4
     elif loss == "plain":  # lm_head's input; at log-softmax's backward its saved output, its gradient in and out
         final += n * h * c + 3 * n * shape.vocab_size * 4
+    elif loss == "completion":  # the same three fp32 logits-sized tensors, over the completion's positions only
+        final += n * h * c + 3 * rows * min(p.response_tokens, row_tokens(p)) * shape.vocab_size * 4
     else:
         final += n * h * c + n * (c + 8)
     backward = n * shape.intermediate_size * c * (2 if shape.gated_mlp else 1)
@@ -323,22 +360,88 @@ def activations(shape: ModelShape, p: Plan, rows: int, loss: str = "plain", lora
 
 def loss_path(kind: str) -> str:
     """How the stage's trainer computes its token loss: TRL's SFTTrainer chunks the lm_head and cross-entropy
-    (loss_type chunked_nll, TRL's default); the others materialize the logits of the whole micro-batch."""
-    return "chunked" if kind == "sft" else "plain"
+    (loss_type chunked_nll, TRL's default); GRPOTrainer asks the model for the logits of the completion only
+    (logits_to_keep); reward models have a 1-wide score head; the others (pretrain, dpo, ppo) materialize the logits
+    of the whole micro-batch."""
+    return {"sft": "chunked", "grpo": "completion", "reward": "score"}.get(kind, "plain")
 
 
-def optimizer_step_temp_bytes(shape: ModelShape, p: Plan, w: int) -> int:
+def optimizer_step_temp_bytes(shape: ModelShape, p: Plan, w: int, value_largest: int = 0) -> int:
     """Temporaries of the optimizer step. torch's AdamW on CPU runs one tensor at a time (no foreach kernels on CPU),
     and `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two temporaries the size of that tensor: 2 x the largest
-    trainable tensor. On CUDA lmforge asks for adamw_torch_fused (trainer/args.py), one kernel without temporaries;
-    DeepSpeed steps its own flat buffers."""
+    trainable tensor (ppo: of the policy's and the value model's, `value_largest` bytes). On CUDA lmforge asks for
+    adamw_torch_fused (trainer/args.py), one kernel without temporaries; DeepSpeed steps its own flat buffers."""
     if p.device != "cpu" or p.optimizer != "adamw_torch" or p.deepspeed:
         return 0
     linears = shape.linears()
     if p.method == "full":
-        largest = max([shape.vocab_size * shape.hidden_size] + [i * o for i, o in linears.values()])
-        return 2 * largest * w
-    return 2 * max(p.lora_rank * max(linears[t]) for t in lora_target_names(shape, p)) * adapter_bytes(p)
+        largest = max([shape.vocab_size * shape.hidden_size] + [i * o for i, o in linears.values()]) * w
+    else:
+        largest = max(p.lora_rank * max(linears[t]) for t in lora_target_names(shape, p)) * adapter_bytes(p)
+    return 2 * max(largest, value_largest)
+
+
+@dataclass(frozen=True)
+class ValueParts:
+    """ppo's value model: `fixed` bytes (weights, and what trains: adapter, optimizer states), `grads` (full: every
+    weight's gradient, there from its backward to the optimizer step), its activations, the bytes of its largest
+    trainable tensor (for AdamW's CPU temporaries) and a note."""
+
+    fixed: int
+    grads: int
+    acts: Activations
+    largest: int
+    note: str
+
+
+def value_model_parts(p: Plan) -> ValueParts:
+    """The value model of ppo: a copy of the reward model (p.reward_shape with a 1-wide score head), trained whole
+    (value_method full: weights, gradients, optimizer states like full training) or as a LoRA adapter with the
+    stage's lora settings plus the whole score head, its backbone frozen (value_method lora). Its activations are
+    those of p.micro_batch rows through the score head, as full or LoRA training keeps them. Not quantized: its
+    adapter is fp32 (16-bit under DeepSpeed mixed precision)."""
+    vs = p.reward_shape
+    assert vs is not None
+    W = p.world_size
+    ws = W if p.sharding in ("zero3", "fsdp_full_shard") and W > 1 else 1
+    ss = W if p.sharding != "none" and W > 1 else 1
+    w = weight_bytes(p)
+    mixed = p.deepspeed and p.precision in ("bf16", "fp16")
+    vp = vs.score_model_params()
+    weights = vp * w // ws
+    if p.value_method == "lora":
+        trained = vs.lora_params(p.lora_rank, p.lora_targets) + vs.hidden_size  # the adapter and the score head
+        aw = 2 if mixed else 4
+        opt = 0 if p.offload_optimizer else round(trained * optimizer_bytes_per_param(p, aw, vs.hidden_size) / ss)
+        linears = vs.linears()
+        largest = max([vs.hidden_size] + [p.lora_rank * max(linears[t]) for t in lora_target_names(vs, p)]) * aw
+        return ValueParts(fixed=weights + trained * aw // ws + trained * aw // ss + opt, grads=0,
+                          acts=activations(vs, p, p.micro_batch, "score", lora=True), largest=largest,
+                          note=f"value model {vp:,} params (frozen) + {trained:,} trained (LoRA rank {p.lora_rank} "
+                               f"and the score head: {aw} B weights + {aw} B grads + optimizer states)")
+    grad_w = 2 if mixed else w
+    opt = 0 if p.offload_optimizer else round(vp * optimizer_bytes_per_param(p, w, vs.hidden_size) / ss)
+    largest = max([vs.vocab_size * vs.hidden_size] + [i * o for i, o in vs.linears().values()]) * w
+    return ValueParts(fixed=weights + opt, grads=vp * grad_w // ss,
+                      acts=activations(vs, p, p.micro_batch, "score", lora=False), largest=largest,
+                      note=f"value model {vp:,} params (trained whole: weights + {p.optimizer} states)")
+
+
+def generation_bytes(shape: ModelShape, p: Plan) -> tuple[int, str]:
+    """What the rollouts hold beside the models, between two training steps (no activations, no gradients then):
+    the KV cache of the rows generated at once, L x 2 x k d x s x c each (ppo: p.micro_batch rows at a time, TRL's
+    local_rollout_forward_batch_size; grpo: a whole generation batch, micro_batch x grad_accumulation_steps), and the
+    logits generation returns (ppo: every rollout's p.response_tokens x V in fp32, kept until their log-probs are
+    taken; grpo: one decoding step's)."""
+    if not p.generation:
+        return 0, ""
+    c = compute_bytes(p)
+    rollouts = p.micro_batch * p.grad_accumulation_steps
+    kv_rows = p.micro_batch if p.kind == "ppo" else rollouts
+    kv = round(kv_rows * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * row_tokens(p) * c)
+    per_row = max(p.response_tokens, 1) if p.kind == "ppo" else 1
+    logits = rollouts * per_row * shape.vocab_size * 4
+    return kv + logits, f"generation: KV cache of {kv_rows} rollouts and {rollouts} x {per_row} fp32 logits"
 
 
 def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
@@ -390,46 +493,55 @@ def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
         out.notes["gradients"] = out.notes["optimizer"] = "frozen base: none (see adapter)"
 
     rows = 2 * p.micro_batch if p.kind in ("reward", "dpo") else p.micro_batch
-    loss = "score" if p.kind == "reward" else loss_path(p.kind)
+    loss = loss_path(p.kind)
     acts = activations(shape, p, rows, loss, lora=p.method != "full")
-    notes = [f"{rows} rows x {p.seq_tokens} tokens, {p.attn_implementation}, checkpointing "
+    notes = [f"{rows} rows x {row_tokens(p):g} tokens{' (measured)' if p.row_tokens else ''}, "
+             f"{p.attn_implementation}, checkpointing "
              f"{'on' if p.gradient_checkpointing else 'off'}, {loss} loss"]
-    value_acts = 0
-    if p.value_model and p.reward_shape is not None:
-        value_acts = activations(p.reward_shape, p, p.micro_batch, "score").start()
-        notes.append("+ value model")
-    # The peak is the largest of three moments (module docstring, "Peak"). Full training: the Trainer frees the
+    value = value_model_parts(p) if p.value_model and p.reward_shape is not None else None
+    if value is not None:
+        notes.append(f"+ value model ({p.value_method}, {p.micro_batch} rows, score head)")
+    # The peak is the largest of four moments (module docstring, "Peak"). Full training: the Trainer frees the
     # gradients after each optimizer step (zero_grad(set_to_none=True)), and backward creates them as it goes; at the
     # start of backward only lm_head's gradient (the tied embedding's) exists, unless gradients accumulate over
-    # micro-batches, when all of them are there from the second micro-batch on.
+    # micro-batches, when all of them are there from the second micro-batch on. ppo's value model runs its backward
+    # after the policy's (its forward came first), so its activations are all there at the policy's start of backward.
     full = p.method == "full"
     all_grads = shape.params() * grad_w // ss if full else 0
     head_grad = shape.vocab_size * shape.hidden_size * grad_w // ss if full and loss != "score" else 0
     before = all_grads if p.grad_accumulation_steps > 1 else head_grad
-    temp = 0 if p.offload_optimizer else optimizer_step_temp_bytes(shape, p, w)
-    phases = {"start of backward": (before, acts.start() + value_acts, 0),
-              "end of backward": (all_grads, acts.end(), 0),
-              "optimizer step": (all_grads, 0, temp)}
-    phase, (grads, act, temp) = max(phases.items(), key=lambda kv: sum(kv[1]))
+    v_grads = value.grads if value else 0
+    v_before = v_grads if p.grad_accumulation_steps > 1 else 0
+    temp = 0 if p.offload_optimizer else optimizer_step_temp_bytes(shape, p, w, value.largest if value else 0)
+    gen, gen_notes = generation_bytes(shape, p)
+    phases = {"start of backward": (before, v_before, acts.start() + (value.acts.start() if value else 0), 0, 0),
+              "end of backward": (all_grads, v_grads, value.acts.end() if value else acts.end(), 0, 0),
+              "optimizer step": (all_grads, v_grads, 0, temp, 0),
+              "generation": (0, 0, 0, 0, gen)}
+    phase, (grads, v_grads, act, temp, gen) = max(phases.items(), key=lambda kv: sum(kv[1]))
     notes.append(f"peak at the {phase}")
     if full:
         b["gradients"] = grads
         which = "all" if grads == all_grads else "lm_head's (tied: the embedding's) only"
         out.notes["gradients"] = f"{which} at the {phase}: {grads * ss // grad_w:,} x {grad_w} B" + \
             (f" / {W} ({p.sharding})" if shard_states else "")
-    if temp:  # the optimizer's own temporaries, with its states (LoRA: with the adapter's)
+    value_temp = temp if value is not None and 2 * value.largest == temp and \
+        temp > optimizer_step_temp_bytes(shape, p, w) else 0  # the value model's tensor is the largest
+    if temp and not value_temp:  # the optimizer's own temporaries, with its states (LoRA: with the adapter's)
         b["optimizer" if full else "adapter"] += temp
         out.notes["optimizer" if full else "adapter"] += f" + {temp:,} B of step temporaries (AdamW on CPU)"
     others, other_notes = 0, []
-    if p.value_model and p.reward_shape is not None:
-        vp = p.reward_shape.score_model_params()
-        others += vp * w // ws + vp * grad_w // ss + (0 if p.offload_optimizer else
-                                                      round(vp * optimizer_bytes_per_param(p, w, shape.hidden_size) / ss))
-        other_notes.append(f"value model {vp:,} params (trained)")
+    if value is not None:
+        others += value.fixed + v_grads + value_temp
+        other_notes.append(value.note + (f", its gradients at the {phase}" if v_grads else "") +
+                           (f", {value_temp:,} B of AdamW's CPU temporaries for its largest tensor" if value_temp
+                            else ""))
     if p.reward_shape is not None:
         rp = p.reward_shape.score_model_params()
-        others += rp * w // ws
-        other_notes.append(f"reward model {rp:,} params (frozen)")
+        resident = rp - (p.reward_shape.embedding_params() if p.device == "cpu" else 0)
+        others += resident * w // ws
+        other_notes.append(f"reward model {rp:,} params (frozen)" + (
+            f", {resident:,} resident (memory-mapped: the embedding's rows only as read)" if p.device == "cpu" else ""))
     if p.reference_copy:
         others += shape.params() * w // ws
         other_notes.append(f"reference copy {shape.params():,} params (frozen)")
@@ -456,9 +568,8 @@ def estimate_memory(shape: ModelShape, p: Plan) -> Breakdown:
         buf += max(i * o for i, o in shape.linears().values()) * c
         buf_notes.append("largest linear dequantized")
     if p.generation:
-        kv_rows = p.micro_batch * p.grad_accumulation_steps
-        buf += kv_rows * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * p.seq_tokens * c
-        buf_notes.append(f"KV cache of {kv_rows} rollouts")
+        buf += gen
+        buf_notes.append(gen_notes + ("" if gen else " (freed before the training step: not at the peak)"))
     if p.device == "cpu":  # no caching allocator: with the preflight's pinned mmap threshold each tensor is its own map
         b["buffers"] = buf
         out.notes["buffers"] = ", ".join(buf_notes)

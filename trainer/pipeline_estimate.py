@@ -18,6 +18,15 @@ from trainer.shapes import TRAINING_KINDS, ModelShape, config_error, model_shape
 AMPERE = (8, 0)
 
 
+def response_tokens(st: Any) -> int:
+    """The generated tokens of a rollout: ppo's max_new_tokens, grpo's max_completion_tokens (0 for the others)."""
+    if st.kind == "ppo":
+        return int(st.max_new_tokens)
+    if st.kind == "grpo":
+        return int(st.max_completion_tokens)
+    return 0
+
+
 def stage_plan(cfg: PipelineConfig, name: str, attn: str) -> tuple[Plan, ModelShape, dict[str, Any]]:
     """The memory plan of a training stage from its settings; also its model and kind-specific numbers."""
     from trainer.distributed import load_deepspeed, load_fsdp, resolve_precision
@@ -50,7 +59,8 @@ def stage_plan(cfg: PipelineConfig, name: str, attn: str) -> tuple[Plan, ModelSh
                 lora_rank=st.lora.rank, lora_targets=st.lora.target_modules, lora_dropout=st.lora.dropout,
                 quant_double=st.lora.double_quant,
                 reference_copy=st.method == "full" and (kind in ("dpo", "ppo") or (kind == "grpo" and st.beta > 0)),
-                reward_shape=rshape, value_model=kind == "ppo", generation=kind in ("ppo", "grpo"))
+                reward_shape=rshape, value_model=kind == "ppo", value_method=getattr(st, "value_model", "full"),
+                generation=kind in ("ppo", "grpo"), response_tokens=response_tokens(st))
     extra = {"ppo_epochs": getattr(st, "ppo_epochs", 1), "num_iterations": getattr(st, "num_iterations", 1),
              "reference_forward": kind == "grpo" and getattr(st, "beta", 0) > 0}
     return plan, shape, extra
