@@ -73,19 +73,20 @@ def answer_match(prompts: list, completions: list, answer: list | None = None, *
 
     A reference with a number matches on the last number ("3 plus 4 equals 7." -> 7); one without, on the
     whole text, case and spacing ignored. No reference: None (not scored)."""
-    refs = answer if answer is not None else [None] * len(completions)
-    out: list[float | None] = []
-    for completion, ref in zip(completions, refs, strict=True):
-        if not isinstance(ref, str) or not ref.strip():
-            out.append(None)
-            continue
-        got = text_of(completion)
+    def same(got: str, ref: str) -> bool:
         want = last_number(ref)
         if want is not None:
-            out.append(1.0 if last_number(got) == want else 0.0)
-        else:
-            out.append(1.0 if " ".join(got.lower().split()) == " ".join(ref.lower().split()) else 0.0)
-    return out
+            return last_number(got) == want
+        return " ".join(got.lower().split()) == " ".join(ref.lower().split())
+
+    return _against_reference(completions, answer, same)
+
+
+def _against_reference(completions: list, answer: list | None, same: Callable[[str, str], bool]) -> list[float | None]:
+    """1.0 where `same(completion text, reference)`, else 0.0; None where the `answer` column has no reference."""
+    refs = answer if answer is not None else [None] * len(completions)
+    return [None if not isinstance(ref, str) or not ref.strip() else 1.0 if same(text_of(c), ref) else 0.0
+            for c, ref in zip(completions, refs, strict=True)]
 
 
 def _form(text: str) -> str:
@@ -98,14 +99,7 @@ def answer_form(prompts: list, completions: list, answer: list | None = None, **
     plus 5 equals 32."; "32" has the form of "32" but not of the sentence. The format half of the accuracy + format
     pair TRL's GRPO examples use: beside `sum_correct`, which reads only the last number, it keeps the answer in
     the shape the prompt asks for (a bare number after "Answer:", the sentence otherwise). No reference: None."""
-    refs = answer if answer is not None else [None] * len(completions)
-    out: list[float | None] = []
-    for completion, ref in zip(completions, refs, strict=True):
-        if not isinstance(ref, str) or not ref.strip():
-            out.append(None)
-            continue
-        out.append(1.0 if _form(text_of(completion)) == _form(ref) else 0.0)
-    return out
+    return _against_reference(completions, answer, lambda got, ref: _form(got) == _form(ref))
 
 
 def one_sentence(prompts: list, completions: list, max_words: int = 20, **kwargs: Any) -> list[float]:
