@@ -85,6 +85,14 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _rerun_unpublished(plan, kinds, stage: str):
+    """Delete the stage's published manifest and run the stage again: what it publishes now (a resume from its
+    uploaded checkpoints)."""
+    Path(artifact(plan, stage).path, "manifest.json").unlink()
+    execute_stage(RunContext(plan=plan, kinds=kinds), stage)
+    return artifact(plan, stage)
+
+
 # ----------------------------------------------------------------------------------------------
 # lora: trains, raises the held-out reward, reloads; a rerun resumes from its checkpoint to the same weights
 
@@ -155,9 +163,7 @@ def test_ppo_lora_raises_the_heldout_reward_reloads_and_resumes_exactly(root, ki
             "rng_state.pth", "trainer_state.json", "DONE"} <= {p.relative_to(ckpt).as_posix()
                                                               for p in ckpt.rglob("*") if p.is_file()}
     first = _weights(art)
-    Path(art.path, "manifest.json").unlink()
-    execute_stage(RunContext(plan=plan, kinds=kinds_module), "ppo")
-    again = artifact(plan, "ppo")
+    again = _rerun_unpublished(plan, kinds_module, "ppo")
     r2 = again.result
     assert (r2["resumed_from_step"], r2["steps"], r2["episodes"], r2["checkpoints_uploaded"]) == (4, 8, 64, [])
     assert _same(_weights(again), first)
@@ -184,9 +190,7 @@ def test_ppo_value_model_lora_trains_an_adapter_and_the_score_head_and_resumes_e
     value = load_file(str(ckpt))
     assert any("lora_B" in k for k in value) and all(v.abs().sum() > 0 for k, v in value.items() if "lora_B" in k)
     first = _weights(art)
-    Path(art.path, "manifest.json").unlink()
-    execute_stage(RunContext(plan=plan, kinds=kinds_module), "ppo_vlora")
-    again = artifact(plan, "ppo_vlora")
+    again = _rerun_unpublished(plan, kinds_module, "ppo_vlora")
     assert (again.result["resumed_from_step"], again.result["steps"]) == (2, 4)
     assert _same(_weights(again), first)
     # the id: lora differs from full, and full is the id the stage had before the setting existed
@@ -359,9 +363,7 @@ def test_ppo_lora_on_two_ddp_processes_resumes_exactly(root, kinds_module):
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(p.name for p in Path(art.path, "_checkpoints",
                                                                                 "checkpoint-2").iterdir())
     first = _weights(art)
-    Path(art.path, "manifest.json").unlink()
-    execute_stage(RunContext(plan=plan, kinds=kinds_module), "ddp")
-    again = artifact(plan, "ddp")
+    again = _rerun_unpublished(plan, kinds_module, "ddp")
     assert (again.result["resumed_from_step"], again.result["steps"]) == (2, 4)
     assert _same(_weights(again), first)
     assert again.result["train_reward_last"] == r["train_reward_last"]
