@@ -141,7 +141,7 @@ def test_ppo_value_model_lora():
     assert "peak at the start of backward" in est.notes["activations"]
     policy = estimate_memory(shape, tiny_plan(**{**PPO_CPU, "value_model": False})).bytes["activations"]
     # the value model's activations: LoRA layers (dropout 0: A keeps its input) and a score head, 16 tokens
-    from trainer.estimate import activations
+    from trainer.activations import activations
 
     assert est.bytes["activations"] == policy + activations(shape, tiny_plan(**PPO_CPU), 2, "score", lora=True).start()
     assert est.total < full.total

@@ -185,7 +185,8 @@ def _with(p: Plan, **change: Any) -> Plan:
 
 def checkpoint_bytes(shape: ModelShape, p: Plan) -> int:
     """One checkpoint: the trainable weights and their optimizer states (adapters in fp32)."""
-    from trainer.estimate import DTYPE_BYTES, optimizer_bytes_per_param
+    from trainer.estimate import optimizer_bytes_per_param
+    from trainer.memory_plan import DTYPE_BYTES
 
     if p.method == "full":
         return shape.params() * DTYPE_BYTES[p.dtype] + round(
