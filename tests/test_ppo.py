@@ -282,7 +282,7 @@ def test_the_reward_model_reads_a_rollout_as_it_read_its_training_pairs(root, ki
     import torch
     from trl.data_utils import _tokenize
 
-    from trainer.ppo import append_turn_end, turn_end_suffix
+    from trainer.rollouts import append_turn_end, turn_end_suffix
     from trainer.preference import load_reward_model
     from trainer.prompts import prompt_ids
 
@@ -312,7 +312,7 @@ def test_ppo_refuses_a_reward_model_with_another_tokenizer(root, kinds_module, t
 
     from tasks import tokenizer as tokenizer_stage
     from trainer.errors import SettingError
-    from trainer.ppo import check_reward_model
+    from trainer.rollouts import check_reward_model
     from trainer.preference import load_reward_model
     from trainer.settings import PpoSettings
 
