@@ -306,6 +306,54 @@ def test_the_reward_model_reads_a_rollout_as_it_read_its_training_pairs(root, ki
     assert turn_end_suffix(plain) == []
 
 
+def test_ppo_pads_with_a_free_token_when_the_tokenizer_pads_with_its_eos(root, kinds_module):
+    """SmolLM2's tokenizer pads with its eos, <|im_end|>, which also ends every prompt turn. TRL's PPO masks by
+    `ids != pad`, so with that pad the reward would be read a token before the eos with the prompt's ends of turn
+    hidden. PPO pads with a free special token instead, and then reads exactly the score of the whole turn."""
+    import copy
+
+    import torch
+    from trl.data_utils import _tokenize
+    from trl.experimental.utils import get_reward
+
+    from trainer.errors import SettingError
+    from trainer.preference import load_reward_model
+    from trainer.prompts import prompt_ids
+    from trainer.rollouts import append_turn_end, rollout_pad_token, turn_end_suffix
+
+    plan, _ = run(root, kinds_module, {}, ["rm"])
+    rm, tok = load_reward_model(Path(artifact(plan, "rm").path))
+    tok = copy.deepcopy(tok)
+    tok.pad_token = tok.eos_token
+    eos, suffix = tok.eos_token_id, turn_end_suffix(tok)
+    rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in ppo_preference_rows()[:3]]
+    for r in rows:
+        r["input_ids"] = prompt_ids(tok, r["prompt"])
+        assert eos in r["input_ids"]  # the system or user turn ends with it
+    pad_token = rollout_pad_token(tok, rows, suffix)
+    pad = tok.convert_tokens_to_ids(pad_token)
+    assert pad != eos and all(pad not in r["input_ids"] for r in rows)
+
+    def read(row, pad_id):
+        query = row["input_ids"]
+        rollout = query + tok(row["chosen"], add_special_tokens=False)["input_ids"] + [eos, pad_id, pad_id]
+        ids = append_turn_end(torch.tensor([rollout]), pad_id, len(query), suffix, eos)
+        with torch.no_grad():
+            return float(get_reward(rm, ids, pad_id, len(query))[1][0])
+
+    for r in rows:
+        trained_on = _tokenize(tok, r["prompt"] + [{"role": "assistant", "content": r["chosen"]}])["input_ids"]
+        with torch.no_grad():
+            whole_turn = float(rm(input_ids=torch.tensor([trained_on])).logits[0, 0])
+        assert read(r, pad) == pytest.approx(whole_turn, abs=1e-5)
+        assert read(r, eos) != pytest.approx(whole_turn, abs=1e-3)  # what the eos as pad made PPO read
+    # a tokenizer whose every special token is taken has nothing to pad with: a clear refusal
+    taken = [{"input_ids": list(tok.all_special_ids) + list(tok.added_tokens_decoder)}]
+    with pytest.raises(SettingError) as e:
+        rollout_pad_token(tok, taken, suffix)
+    assert e.value.field == "inputs" and "add a pad token" in e.value.problem
+
+
 def test_ppo_refuses_a_reward_model_with_another_tokenizer(root, kinds_module, tmp_path):
     """Checked in the training process: the policy's token ids go to the reward model as they are."""
     from transformers import AutoTokenizer

@@ -59,7 +59,8 @@ from trainer.metrics import peak_memory_mb
 from trainer.preference import AlignMetricsCallback, last_logged, load_reward_model
 from trainer.prompts import distinct, load_splits
 from trainer.recipe import base_and_tokenizer, load_policy, run_figures
-from trainer.rollouts import RolloutBatches, append_turn_end, check_reward_model, heldout_rewards, turn_end_suffix
+from trainer.rollouts import (RolloutBatches, append_turn_end, check_reward_model, heldout_rewards, rollout_pad_token,
+                              turn_end_suffix)
 from trainer.settings import PpoSettings
 
 log = logging.getLogger(__name__)
@@ -290,6 +291,13 @@ def train(spec: JobSpec) -> dict[str, Any]:
     train_prompts, eval_prompts = load_splits(spec, tokenizer, s, ("max_new_tokens", s.max_new_tokens),
                                               f"stage {spec.stage} train split")
 
+    # TRL's PPO masks by `ids != pad`: pad with a token that is neither the eos nor in any prompt (rollouts.py)
+    saved_pad = tokenizer.pad_token
+    pad = rollout_pad_token(tokenizer, train_prompts.rows + eval_prompts.rows, turn_end_suffix(tokenizer))
+    if pad is not None:
+        log.info("ppo pads with %r: the tokenizer's pad %r is its eos or occurs in the prompts", pad, saved_pad)
+        tokenizer.pad_token = pad
+
     # 3. policy, reward model (frozen) and value model (a trainable copy of the reward model)
     set_seed(s.seed)
     # qlora: the 4-bit base with a fresh adapter comes in as a PeftModel; lora: TRL applies `peft_config`
@@ -349,7 +357,9 @@ def train(spec: JobSpec) -> dict[str, Any]:
             metrics._send({"eval/reward_start": start, "eval/reward": trained}, state.global_step)
 
     # 7. save: the policy (full model, or adapter on top of the input model artifact) and the tokenizer
-    tokenizer.padding_side = saved_padding_side
+    tokenizer.padding_side, tokenizer.pad_token = saved_padding_side, saved_pad
+    for config in (trainer.policy.config, trainer.policy.generation_config):  # the artifact keeps its own pad
+        config.pad_token_id = tokenizer.pad_token_id
     info: dict[str, Any] = {}
     if rank() == 0:
         trainer.policy.save_pretrained(str(out), safe_serialization=True)

@@ -52,6 +52,29 @@ def append_turn_end(query_responses, pad_token_id: int, context_length: int, suf
     return out
 
 
+def rollout_pad_token(tokenizer, rows: list[dict[str, Any]], suffix: list[int]) -> str | None:
+    """The token PPO pads with, when the tokenizer's own pad cannot serve (None: it can).
+
+    TRL's PPO tells padding from text by id alone: the attention mask of every forward (generation, policy, value,
+    reward) is `ids != pad`, a response ends one token before its first pad, and the reward is read there. A
+    tokenizer whose pad is its eos (SmolLM2's <|im_end|>, which also ends every system and user turn of a chat
+    prompt) would hide every end of turn of the prompt from all three models, leave the eos out of the policy's
+    loss, and read the reward one token before the eos, where the reward model never read a training pair. So PPO
+    pads with a special token that is not the eos and occurs in no prompt and not in the end of turn."""
+    eos = tokenizer.eos_token_id
+    used = {t for r in rows for t in r["input_ids"]} | set(suffix) | {eos}
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in used:
+        return None
+    specials = list(tokenizer.all_special_ids) + sorted(i for i, t in tokenizer.added_tokens_decoder.items()
+                                                        if t.special)
+    for i in specials:
+        if i not in used:
+            return tokenizer.convert_ids_to_tokens(i)
+    raise SettingError("inputs", f"the policy's tokenizer pads with {tokenizer.pad_token!r}, which is its eos or "
+                       "occurs in the prompts, and it has no other special token to pad with: TRL's PPO tells "
+                       "padding from text by id, so add a pad token to the tokenizer the sft stage trains on")
+
+
 class RolloutBatches:
     """This process's prompt batches for updates `start` .. `total`-1, a pure function of the seed.
 
